@@ -1,0 +1,76 @@
+"""params.yaml loading: profiles, defaults, and errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trace_lib.config import ConfigError, load_params, params_from_dict
+
+
+def test_defaults_are_cpu_profile():
+    p = params_from_dict({})
+    assert p.profile == "cpu"
+    assert p.model.id == "smollm2-135m"
+    assert p.rollout.temperature == 0.7
+
+
+def test_paper_profile_sets_budgets_but_file_wins():
+    p = params_from_dict({"profile": "paper", "rollout": {"batch_size": 4}})
+    assert p.model.id == "meta-llama/Llama-3.1-8B-Instruct"
+    assert p.rollout.temperature == 0.0
+    assert p.rollout.batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"rollout": {"temperatur": 0.5}}, "rollout.temperatur: unknown key"),
+        ({"rolout": {}}, "rolout: unknown key"),
+        ({"rollout": {"batch_size": "eight"}}, "rollout.batch_size"),
+        ({"rollout": {"batch_size": 0}}, "rollout.batch_size"),
+        ({"env": {"max_steps": -1}}, "env.max_steps"),
+        ({"profile": "gpu"}, "profile"),
+    ],
+)
+def test_bad_keys_and_types_name_the_key(data, key):
+    with pytest.raises(ConfigError) as err:
+        params_from_dict(data, "params.yaml")
+    assert key in str(err.value)
+    assert str(err.value).startswith("params.yaml")
+
+
+def test_load_params_file(tmp_path: Path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"seed": 3, "env": {"tasks_per_family": 2}}))
+    p = load_params(path)
+    assert (p.seed, p.env.tasks_per_family) == (3, 2)
+
+
+def test_missing_and_malformed_files(tmp_path: Path):
+    with pytest.raises(ConfigError, match="no such params file"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_params(bad)
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_params(top)
+
+
+def test_repo_params_yaml_is_valid():
+    repo = Path(__file__).resolve().parents[1]
+    load_params(repo / "params.yaml")
+
+
+def test_dotted_overrides(tmp_path: Path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"rollout": {"temperature": 0.7}}))
+    p = load_params(path, {"rollout.temperature": 1.0, "env.max_steps": 3})
+    assert (p.rollout.temperature, p.env.max_steps) == (1.0, 3)
+    with pytest.raises(ConfigError, match="rollout.tempr: unknown key"):
+        load_params(path, {"rollout.tempr": 1.0})
+    with pytest.raises(ConfigError, match="rollout.temperature: is not a section"):
+        load_params(path, {"rollout.temperature.x": 1.0})

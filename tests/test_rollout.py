@@ -1,0 +1,64 @@
+"""The rollout loop: concurrent episodes, records, metrics, invalid actions counted not raised."""
+
+from trace_lib.config import RolloutConfig
+from trace_lib.envs.base import Environment
+from trace_lib.records import Message
+from trace_lib.rollout import collect_rollouts, summarize
+
+from toy import KVEnv, ScriptedPolicy, kv_task
+
+
+def run(policy, n_tasks=5, samples=2, batch=3):
+    tasks = [kv_task(i) for i in range(1, n_tasks + 1)]
+    cfg = RolloutConfig(samples_per_task=samples, batch_size=batch)
+    return collect_rollouts(policy, KVEnv, tasks, cfg, seed=7, progress=False)
+
+
+def test_every_episode_is_recorded_in_stable_order():
+    trajs, timing = run(ScriptedPolicy())
+    assert [t.id for t in trajs] == sorted(f"toy/read/{i}#{s}" for i in range(1, 6) for s in range(2))
+    assert all(t.success and t.reward == 1.0 for t in trajs)
+    t = trajs[0]
+    assert [m.role for m in t.messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert t.messages[2].tool_calls[0].id == "call_0_0"
+    assert (t.tool_calls, t.turns, t.invalid_actions, t.termination) == (1, 2, 0, "user_stop")
+    assert (t.prompt_tokens, t.completion_tokens) == (20, 10)
+    assert t.seconds is None
+    assert timing.episodes == 10
+
+
+def test_batch_is_refilled_as_episodes_finish():
+    policy = ScriptedPolicy()
+    run(policy, n_tasks=5, samples=1, batch=2)
+    assert max(policy.calls) == 2
+    assert sum(policy.calls) == 10  # 5 episodes x 2 agent turns, no idle slots until the queue empties
+
+
+def test_invalid_actions_end_in_max_errors_and_score_zero():
+    trajs, _ = run(ScriptedPolicy(bad_every=2), n_tasks=4, samples=1)
+    bad = {t.task_id: t for t in trajs}
+    t = bad["toy/read/2"]
+    assert (t.success, t.reward, t.termination) == (False, 0.0, "max_errors")
+    assert t.invalid_actions == 3
+    assert t.messages[3].role == "tool" and t.messages[3].content.startswith("Error: invalid action")
+    assert bad["toy/read/1"].success
+
+
+def test_summary_rates_and_intervals():
+    trajs, _ = run(ScriptedPolicy(bad_every=2), n_tasks=4, samples=1)
+    s = summarize(trajs)
+    assert (s["n"], s["successes"], s["success_rate"]) == (4, 2, 0.5)
+    assert 0 < s["ci_low"] < 0.5 < s["ci_high"] < 1
+    assert s["by_family"]["read"]["n"] == 4
+    assert s["terminations"] == {"max_errors": 2, "user_stop": 2}
+    assert s["invalid_action_rate"] == 6 / (6 + 4)
+
+
+def test_step_after_done_is_an_error():
+    env: Environment = KVEnv()
+    env.reset(kv_task(1))
+    env.step(Message(role="assistant", content="hi"))
+    import pytest
+
+    with pytest.raises(RuntimeError, match="finished episode"):
+        env.step(Message(role="assistant", content="again"))

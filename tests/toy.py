@@ -1,0 +1,100 @@
+"""In-memory toy environment and scripted policies for fast tests of the episode machinery."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.records import Message, Task, ToolCall, UserScenario
+
+KV_TOOLS = [
+    ToolSpec(name="get_value", description="Read a value.", kind="read",
+             parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}),
+    ToolSpec(name="set_value", description="Write a value.", kind="write",
+             parameters={"type": "object", "properties": {"key": {"type": "string"}, "value": {"type": "integer"}},
+                         "required": ["key", "value"]}),
+]
+
+
+def kv_task(i: int, family: str = "read") -> Task:
+    return Task(id=f"toy/{family}/{i}", env="toy", split="train", family=family,
+                instruction=f"Ask for the value of k{i}.",
+                user=UserScenario(reason_for_call=f"What is the value of k{i}?"),
+                gold_actions=[ToolCall(name="get_value", arguments={"key": f"k{i}"})],
+                required_outputs=[str(10 * i)])
+
+
+class KVEnv(Environment):
+    """A dict behind two tools; the user asks for one value and stops after any answer."""
+
+    name = "toy"
+
+    def __init__(self, max_steps: int = 5, max_errors: int = 3) -> None:
+        super().__init__(max_steps, max_errors)
+        self.db: dict[str, int] = {}
+
+    @property
+    def tools(self) -> list[ToolSpec]:
+        return KV_TOOLS
+
+    def system_prompt(self, task: Task) -> str:
+        return "You look up values."
+
+    def _reset_state(self, task: Task) -> None:
+        self.db = {f"k{i}": 10 * i for i in range(20)}
+
+    def _execute(self, call: ToolCall) -> tuple[str, bool]:
+        key = call.arguments["key"]
+        if key not in self.db:
+            return f"Error: no key {key}", True
+        if call.name == "set_value":
+            self.db[key] = int(call.arguments["value"])
+        return json.dumps({"key": key, "value": self.db[key]}), False
+
+    def _user_opening(self, task: Task) -> str:
+        return task.user.reason_for_call
+
+    def _user_reply(self, agent_text: str) -> UserTurn:
+        return UserTurn("Thanks, bye.", stop=True)
+
+    def _score(self):
+        said = " ".join(self.agent_texts())
+        ok = all(out in said for out in self.state.task.required_outputs)
+        return float(ok), {"outputs_ok": ok}
+
+
+@dataclass
+class Gen:
+    text: str
+    message: Message
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ScriptedPolicy:
+    """Looks the value up, then reports it; `bad_every` makes every n-th episode emit garbage."""
+
+    policy_id = "scripted"
+
+    def __init__(self, bad_every: int = 0) -> None:
+        self.bad_every = bad_every
+        self.calls: list[int] = []
+
+    def generate(self, conversations, tools, *, temperature, top_p, max_new_tokens, seed, constrained):
+        self.calls.append(len(conversations))
+        out = []
+        for conv in conversations:
+            opening = conv[1].content
+            key = opening.split("value of ")[1].rstrip("?")
+            idx = int(key[1:])
+            last = conv[-1]
+            if self.bad_every and idx % self.bad_every == 0:
+                msg = Message(role="assistant", content="<tool_call>{", invalid="unclosed <tool_call>")
+            elif last.role == "user":
+                msg = Message(role="assistant", tool_calls=[ToolCall(name="get_value", arguments={"key": key})])
+            else:
+                value = json.loads(last.content)["value"]
+                msg = Message(role="assistant", content=f"The value is {value}.")
+            out.append(Gen(msg.content, msg, prompt_tokens=10, completion_tokens=5))
+        return out
