@@ -1,0 +1,57 @@
+"""Shared-prefix cascade attention and the buffered KV layer against plain attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from trace_lib.kvcache import BufferedLayer, cascade_attention, shared_prefix
+
+
+class _Layer:
+    layer_idx = 0
+    num_key_value_groups = 2  # read by transformers' sdpa path
+
+
+@pytest.mark.parametrize("lq", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_equals_attention_over_the_concatenation(lq, dtype):
+    torch.manual_seed(0)
+    b, h, hkv, plen, s, d = 3, 6, 2, 7, 5, 16
+    q = torch.randn(b, h, lq, d, dtype=dtype)
+    pk, pv = torch.randn(1, hkv, plen, d, dtype=dtype), torch.randn(1, hkv, plen, d, dtype=dtype)
+    k, v = torch.randn(b, hkv, s, d, dtype=dtype), torch.randn(b, hkv, s, d, dtype=dtype)
+    mask = torch.ones(b, 1, lq, plen + s, dtype=torch.bool)
+    for i in range(lq):  # causal over the suffix: query i is the suffix's (s - lq + i)-th position
+        mask[:, :, i, plen + s - lq + i + 1:] = False
+    mask[1, :, :, plen:plen + 2] = False  # row 1: two padding slots between prefix and suffix
+    if lq > 1:
+        mask[2, :, 0, plen:] = False  # a query that is itself padding sees only the prefix
+    with shared_prefix([(pk, pv)]):
+        out, _ = cascade_attention(_Layer(), q, k, v, mask, scaling=d**-0.5)
+    keys = repeat_kv(torch.cat([pk.expand(b, -1, -1, -1), k], 2), h // hkv)
+    values = repeat_kv(torch.cat([pv.expand(b, -1, -1, -1), v], 2), h // hkv)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.shape == (b, lq, h, d)
+    assert torch.allclose(out.float(), ref.transpose(1, 2).float(), atol=tol)
+
+
+def test_without_a_shared_prefix_it_is_plain_sdpa():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
+    out, _ = cascade_attention(_Layer(), q, k, v, None, scaling=8**-0.5, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
+
+
+def test_buffered_layer_grows_selects_and_reports_offset():
+    layer = BufferedLayer(capacity=2, offset=10)
+    k = torch.arange(3 * 1 * 3 * 2, dtype=torch.float32).reshape(3, 1, 3, 2)
+    keys, _ = layer.update(k, k + 100)
+    assert keys.shape == (3, 1, 3, 2) and torch.equal(keys, k)  # grew past capacity 2
+    keys, values = layer.update(k[:, :, :1], k[:, :, :1])
+    assert layer.get_seq_length() == 10 + 4 and keys.shape[2] == 4
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.keys[:, :, :3], k[[2, 0]]) and layer.values.shape[0] == 2

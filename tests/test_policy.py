@@ -1,0 +1,194 @@
+"""Policy: batched decoding, determinism, prefix caching, stopping, adapters (tiny random model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trace_lib.kvcache import shared_prefix
+from trace_lib.policy import Generation, load_policy, sample_tokens
+from trace_lib.records import Message
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_order_details", "description": "Look up an order by id. " * 20,
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
+
+
+def convs(n: int) -> list[list[Message]]:
+    out = []
+    for i in range(n):
+        conv = [Message(role="system", content="You are a retail agent."),
+                Message(role="user", content=f"Hello, where is my order #W{i}? " * (1 + i % 3))]
+        if i % 2:
+            conv += [Message(role="assistant", content="Which order id?"), Message(role="user", content=f"#W{i}")]
+        out.append(conv)
+    return out
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    return load_policy(tiny_model_dir)
+
+
+def texts(gens: list[Generation]) -> list[str]:
+    return [g.text for g in gens]
+
+
+def test_generate_shapes_and_accounting(policy):
+    before = policy.stats.completion_tokens
+    gens = policy.generate(convs(3), TOOLS, temperature=0.0, max_new_tokens=7, seed=0)
+    assert len(gens) == 3
+    for g, conv in zip(gens, convs(3)):
+        assert 1 <= g.completion_tokens <= 7 and g.finish_reason in ("stop", "length")
+        assert g.prompt_tokens == policy.count_tokens(policy.render(conv, TOOLS))
+        assert g.message.role == "assistant"
+    assert policy.stats.completion_tokens - before == sum(g.completion_tokens for g in gens)
+    assert policy.stats.completion_tokens_per_second > 0
+    assert policy.generate([], TOOLS, temperature=0.0, max_new_tokens=4, seed=0) == []
+
+
+def test_greedy_outputs_differ_across_prompts(policy):
+    # guards the other tests: a model that says the same thing to everyone would pass them trivially
+    assert len(set(texts(policy.generate(convs(4), TOOLS, temperature=0.0, max_new_tokens=8, seed=0)))) > 1
+
+
+def test_batched_equals_one_at_a_time_under_greedy(policy):
+    batched = policy.generate(convs(4), TOOLS, temperature=0.0, max_new_tokens=10, seed=0)
+    single = [policy.generate([c], TOOLS, temperature=0.0, max_new_tokens=10, seed=0)[0] for c in convs(4)]
+    assert texts(batched) == texts(single)
+
+
+def test_sampling_is_deterministic_per_seed_and_per_row(policy):
+    a = policy.generate(convs(3), TOOLS, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=11)
+    b = policy.generate(convs(3), TOOLS, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=11)
+    c = policy.generate(convs(3), TOOLS, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=12)
+    assert texts(a) == texts(b) and texts(a) != texts(c)
+    # each row has its own generator, so a row's sample does not depend on its batch mates
+    alone = policy.generate(convs(3)[:1], TOOLS, temperature=1.0, top_p=0.9, max_new_tokens=8, seed=11)
+    assert alone[0].text == a[0].text
+
+
+def test_prefix_cache_matches_uncached_path(policy):
+    prompts = [policy.encode(policy.render(c, TOOLS)) for c in convs(4)]
+    plen, kv = policy._prefix_for(prompts)
+    assert plen > 200 and kv is not None  # the tool list is shared
+    with torch.inference_mode():
+        plain, _, _ = policy._prefill(prompts, 0, None, 4)
+        copied, _, _ = policy._prefill(prompts, plen, kv, 4)
+        with shared_prefix(kv):  # the prefix shared by reference (cascade attention), not copied per row
+            shared, cache, _ = policy._prefill(prompts, plen, kv, 4, cascade=True)
+    assert torch.allclose(copied, plain, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(shared, plain, atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == max(map(len, prompts)) and cache.layers[0].keys.shape[2] < 100
+    kwargs = dict(temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0)
+    assert policy.generate_ids(prompts, **kwargs, use_prefix_cache=True) == \
+        policy.generate_ids(prompts, **kwargs, use_prefix_cache=False)
+
+
+def test_attention_implementations_agree(tiny_model_dir):
+    kwargs = dict(temperature=0.0, max_new_tokens=10, seed=0)
+    outs = [texts(load_policy(tiny_model_dir, attn_implementation=impl).generate(convs(4), TOOLS, **kwargs))
+            for impl in ("cascade", "sdpa", "eager")]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_prefix_is_reused_across_turns(policy):
+    policy._prefixes.clear()
+    policy.generate(convs(2), TOOLS, temperature=0.0, max_new_tokens=2, seed=0)
+    keys = list(policy._prefixes)
+    policy.generate(convs(4)[2:], TOOLS, temperature=0.0, max_new_tokens=2, seed=0)
+    assert list(policy._prefixes) == keys and len(keys) == 1
+    (_, ids), = keys
+    assert policy.tokenizer.decode(list(ids)).endswith("You are a retail agent.<|im_end|>")
+
+
+class StopAfter:
+    """A processor that forces the end-of-turn token for row r after stops[r] tokens."""
+
+    def __init__(self, stops: list[int], eos: int) -> None:
+        self.rows, self.stops, self.eos = list(range(len(stops))), stops, eos
+
+    def __call__(self, generated, logits):
+        for j, r in enumerate(self.rows):
+            if generated.shape[1] >= self.stops[r]:
+                logits[j] = float("-inf")
+                logits[j, self.eos] = 0.0
+        return logits
+
+    def select_rows(self, keep):
+        self.rows = [self.rows[j] for j in keep]
+
+
+def test_rows_stop_independently(policy):
+    prompts = [policy.encode(policy.render(c, TOOLS)) for c in convs(3)]
+    eos = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    kwargs = dict(temperature=0.0, top_p=1.0, max_new_tokens=9, seed=0)
+    free, free_finish = policy.generate_ids(prompts, **kwargs)
+    outs, finish = policy.generate_ids(prompts, **kwargs, processor=StopAfter([2, 20, 5], eos))
+    assert [len(o) for o in outs] == [3, 9, 6]
+    assert finish == ["stop", "length", "stop"] and free_finish == ["length"] * 3
+    assert outs[0][-1] == eos and outs[2][-1] == eos
+    # rows that finished early leave the batch without disturbing the others
+    assert outs[1] == free[1] and outs[0][:2] == free[0][:2] and outs[2][:5] == free[2][:5]
+
+
+def test_stop_token_is_not_in_text(policy):
+    prompts = [policy.encode(policy.render(convs(1)[0], TOOLS))]
+    eos = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert eos in policy.stop_ids and policy.tokenizer.convert_tokens_to_ids("<|endoftext|>") in policy.stop_ids
+    outs, _ = policy.generate_ids(prompts, temperature=0.0, top_p=1.0, max_new_tokens=5, seed=0,
+                                  processor=StopAfter([0], eos))
+    assert outs == [[eos]]
+
+
+def test_sample_tokens_top_p_keeps_the_nucleus():
+    logits = torch.tensor([[5.0, 4.0, -10.0, -10.0]])
+    gens = [torch.Generator().manual_seed(i) for i in range(1)]
+    seen = {int(sample_tokens(logits, 1.0, 0.5, gens)) for _ in range(50)}
+    assert seen == {0}
+    assert int(sample_tokens(logits, 0.0, 1.0, gens)) == 0
+
+
+def test_bad_arguments_raise_clearly(policy, tmp_path):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        policy.generate(convs(1), TOOLS, temperature=0.0, max_new_tokens=0, seed=0)
+    with pytest.raises(ValueError, match="unknown adapter"):
+        policy.set_adapter("nope")
+    with pytest.raises(OSError, match="could not load model"):
+        load_policy(tmp_path / "missing")
+    with pytest.raises(ValueError, match="dtype"):
+        load_policy(tmp_path, dtype="int3")
+
+
+def test_threads_and_model_json_pointer(tiny_model_dir, tmp_path):
+    old = torch.get_num_threads()
+    try:
+        (tmp_path / "model.json").write_text(json.dumps({"path": str(tiny_model_dir), "model_id": "tiny"}))
+        pol = load_policy(tmp_path, threads=1)
+        assert torch.get_num_threads() == 1 and pol.policy_id == "tiny"
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_lora_adapters_switch(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 init_lora_weights=False, lora_alpha=64))
+    peft_model.save_pretrained(tmp_path / "a")
+    pol = load_policy(tiny_model_dir, adapters={"skill": str(tmp_path / "a")}, policy_id="tiny")
+    plain = load_policy(tiny_model_dir)
+    kwargs = dict(temperature=0.0, max_new_tokens=6, seed=0)
+    base_out = texts(plain.generate(convs(2), TOOLS, **kwargs))
+    assert pol.adapters == ["skill"] and pol.adapter is None and pol.policy_id == "tiny"
+    assert texts(pol.generate(convs(2), TOOLS, **kwargs)) == base_out
+    pol.set_adapter("skill")
+    assert pol.policy_id == "tiny+skill"
+    assert texts(pol.generate(convs(2), TOOLS, **kwargs)) != base_out
+    pol.set_adapter(None)
+    assert texts(pol.generate(convs(2), TOOLS, **kwargs)) == base_out

@@ -1,0 +1,83 @@
+"""prepare_model: GGUF conversion (slow), pointers to local folders, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trace_lib.config import params_from_dict
+from trace_lib.prepare_model import (
+    main,
+    prepare_model,
+    resolve_model,
+    sha256_file,
+    smollm2_gguf_path,
+    weights_sha256,
+)
+
+
+def test_gguf_is_found():
+    path = smollm2_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 10_000_000
+
+
+def test_local_folder_gets_a_pointer(tiny_model_dir, tmp_path):
+    out = resolve_model(str(tiny_model_dir), tmp_path / "model", "float32")
+    info = json.loads((out / "model.json").read_text())
+    assert info["source"] == "local" and info["path"] == str(tiny_model_dir.resolve())
+    assert info["dtype"] == "float32"
+    assert info["weights_sha256"] == {"model.safetensors": sha256_file(tiny_model_dir / "model.safetensors")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temp folders left behind
+    again = resolve_model(str(tiny_model_dir), tmp_path / "model", "float32")
+    assert (again / "model.json").read_bytes() == (out / "model.json").read_bytes()
+
+
+def test_pointer_loads_as_a_policy(tiny_model_dir, tmp_path):
+    from trace_lib.policy import load_policy
+
+    out = resolve_model(str(tiny_model_dir), tmp_path / "model", "float32")
+    assert load_policy(out).policy_id == tiny_model_dir.name
+
+
+def test_prepare_model_reads_params(tiny_model_dir, tmp_path):
+    params = params_from_dict({"model": {"id": str(tiny_model_dir), "out_dir": str(tmp_path / "m")}})
+    assert prepare_model(params) == tmp_path / "m" and (tmp_path / "m" / "model.json").is_file()
+    (tmp_path / "params.yaml").write_text(f"model:\n  id: {tiny_model_dir}\n  out_dir: {tmp_path / 'n'}\n")
+    main(["--params", str(tmp_path / "params.yaml")])
+    assert (tmp_path / "n" / "model.json").is_file()
+
+
+def test_unreachable_hub_id_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="hub could not provide it"):
+        resolve_model("nobody/not-a-model-xyz", tmp_path / "model", "float32")
+    assert not (tmp_path / "model").exists()
+
+
+def test_bad_inputs_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="model.dtype"):
+        resolve_model("smollm2-135m", tmp_path / "m", "int4")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"), tmp_path / "m", "float32")
+
+
+@pytest.mark.slow
+def test_gguf_round_trip_is_reproducible(smollm2_dir, tmp_path):
+    from trace_lib.chat import tool_chat_template
+    from trace_lib.policy import load_policy
+    from trace_lib.records import Message
+
+    info = json.loads((smollm2_dir / "model.json").read_text())
+    assert info["model_id"] == "smollm2-135m" and info["path"] == "."
+    assert info["source_sha256"] == sha256_file(smollm2_gguf_path())
+    assert info["weights_sha256"] == weights_sha256(smollm2_dir)
+    assert (smollm2_dir / "chat_template.jinja").read_text() == tool_chat_template()
+    second = resolve_model("smollm2-135m", tmp_path / "again", "float32", force=True)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "model.json"):
+        assert sha256_file(second / name) == sha256_file(smollm2_dir / name), name
+    policy = load_policy(smollm2_dir, threads=2)
+    gen = policy.generate([[Message(role="user", content="What is the capital of France?")]], [],
+                          temperature=0.0, max_new_tokens=16, seed=0)[0]
+    assert "Paris" in gen.text and gen.finish_reason == "stop"

@@ -1,0 +1,163 @@
+"""KV cache for batched agent turns: a preallocated per-row buffer and a shared prompt prefix.
+
+Reads and writes nothing on disk; used by policy.py (the rollout engine behind the paper's
+trajectory collection, §2, and the GRPO rollouts of §3.3).
+
+Every episode of an environment opens with the same system turn (~1–3k tokens). Its keys and
+values are computed once (batch 1) and never copied into the rows: each row's buffer holds only
+its own suffix, and `cascade_attention` attends to the shared prefix with all rows' queries folded
+into one matrix product, then to each row's suffix, and merges the two softmax parts exactly by
+their log-sum-exp. That removes the per-row prefix from both memory and memory traffic, which is
+what bounds decoding on a CPU once the prompt is long.
+
+The attention function is registered with transformers as `trace_cascade` (mask semantics of
+`sdpa`); without a shared prefix set it is plain sdpa.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+CASCADE = "trace_cascade"
+_SHARED: ContextVar[list[tuple[torch.Tensor, torch.Tensor]] | None] = ContextVar("trace_shared_prefix", default=None)
+
+
+class BufferedLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in a preallocated buffer (views, no per-step cat).
+
+    With `offset` > 0 the first `offset` positions are the shared prefix, held outside the layer;
+    the layer stores (and returns) only the positions after it but reports the full length.
+    """
+
+    def __init__(self, capacity: int, offset: int = 0) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.offset = offset
+        self._n = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self._k = key_states.new_empty(b, h, self.capacity, d)
+        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self._n = 0
+        self._refresh()
+        self.is_initialized = True
+
+    def _refresh(self) -> None:
+        self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self._n, key_states.shape[-2]
+        if n + q > self._k.shape[-2]:  # grow geometrically; only hit when the caller underestimates
+            cap = max(2 * self._k.shape[-2], n + q)
+            k, v = self._k, self._v
+            self._k = k.new_empty(*k.shape[:2], cap, k.shape[-1])
+            self._v = v.new_empty(*v.shape[:2], cap, v.shape[-1])
+            self._k[:, :, :n], self._v[:, :, :n] = k[:, :, :n], v[:, :, :n]
+        self._k[:, :, n : n + q] = key_states
+        self._v[:, :, n : n + q] = value_states
+        self._n = n + q
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.offset + self._n
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self._refresh()
+
+    def reset(self) -> None:
+        self._n = 0
+        super().reset()
+
+
+def new_cache(model: Any, capacity: int, offset: int = 0) -> DynamicCache:
+    """An empty KV cache; buffered when every layer is plain full attention.
+
+    `offset` (shared prefix positions kept outside the cache) needs the cascade attention.
+    """
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    if not all(t == "full_attention" for t in layer_types):  # sliding-window/hybrid: transformers' own layers
+        if offset:
+            raise ValueError("a shared prefix outside the cache needs a model with only full-attention layers")
+        return DynamicCache(config=model.config)
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = lambda: BufferedLayer(capacity, offset)
+    return cache
+
+
+def supports_cascade(model: Any) -> bool:
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    return model.config._attn_implementation == CASCADE and all(t == "full_attention" for t in layer_types)
+
+
+class shared_prefix:
+    """Context manager: attention layers see `kv` (per-layer (1, kv_heads, P, dim)) as a prefix of every row."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        self.kv = kv
+
+    def __enter__(self):
+        self._token = _SHARED.set(self.kv)
+        return self
+
+    def __exit__(self, *exc):
+        _SHARED.reset(self._token)
+        return False
+
+
+def _flash(q, k, v, mask=None, causal=False, scale=None):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )
+
+
+def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention over [shared prefix | row suffix]; exact up to float rounding."""
+    shared = _SHARED.get()
+    if shared is None or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    pk, pv = shared[module.layer_idx]
+    b, h, lq, d = query.shape
+    hkv, plen = pk.shape[1], pk.shape[2]
+    rep = h // hkv
+    # Prefix: every query sees every prefix position, so all rows' queries share one product.
+    qg = query.reshape(b, hkv, rep, lq, d).transpose(0, 1).reshape(1, hkv, b * rep * lq, d)
+    out_p, lse_p = _flash(qg, pk, pv, scale=scaling)
+    out_p = out_p.reshape(hkv, b, rep, lq, d).transpose(0, 1).reshape(b, h, lq, d)
+    lse_p = lse_p.reshape(hkv, b, rep, lq).transpose(0, 1).reshape(b, h, lq).float()
+    if key.shape[-2] == 0:
+        out = out_p
+    else:
+        ks, vs = repeat_kv(key, rep), repeat_kv(value, rep)
+        mask = None if attention_mask is None else attention_mask[..., plen:]
+        if mask is not None and mask.dtype == torch.bool:
+            visible = mask.any(dim=-1)  # (b, 1, lq): a query that sees none of the suffix (a pad)
+            mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, float("-inf"))
+        else:
+            visible = None
+        out_s, lse_s = _flash(query, ks, vs, mask, causal=mask is None and lq > 1, scale=scaling)
+        lse_s = lse_s.float()
+        if visible is not None:
+            lse_s = lse_s.masked_fill(~visible, float("-inf"))
+            out_s = out_s.masked_fill(~visible[..., None], 0.0)
+        w = torch.sigmoid(lse_p - lse_s).to(out_p.dtype)[..., None]  # share of the prefix in the softmax
+        out = out_p * w + out_s * (1 - w)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(CASCADE, cascade_attention)
+AttentionMaskInterface.register(CASCADE, sdpa_mask)
