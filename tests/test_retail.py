@@ -1,0 +1,205 @@
+"""The built-in retail environment: τ²'s tools and DB, episode mechanics, τ²-style reward."""
+
+import json
+
+import pytest
+
+from trace_lib.config import EnvConfig
+from trace_lib.envs import make_env, make_tasks
+from trace_lib.envs.families import FAMILIES, make_family_tasks
+from trace_lib.envs.retail import (
+    RetailEnv,
+    build_env,
+    load_base_db,
+    normalize_text,
+    output_found,
+    retail_tool_specs,
+)
+from trace_lib.records import Message, Task, ToolCall
+
+WRITE_FAMILIES = ["cancel_pending", "change_address", "return_item"]
+
+
+def say(text: str) -> Message:
+    return Message(role="assistant", content=text)
+
+
+def call(name: str, **arguments) -> Message:
+    return Message(role="assistant", tool_calls=[ToolCall(name=name, arguments=arguments)])
+
+
+def play_gold(env: RetailEnv, task: Task, confirm: bool = True) -> tuple[float, dict]:
+    """A perfect scripted agent: gold calls, a confirmation request before each write, the answer."""
+    env.reset(task)
+    for gold in task.gold_actions:
+        if confirm and env.tool_kinds()[gold.name] == "write":
+            assert "Yes" in env.step(say("I will make this change. Shall I proceed (yes/no)?")).observations[0].content
+        obs = env.step(Message(role="assistant", tool_calls=[gold])).observations[0]
+        assert not obs.error, obs.content
+    result = env.step(say("Here is the result: " + "; ".join(task.required_outputs) + "."))
+    assert result.done and result.termination == "user_stop"
+    return env.reward()
+
+
+@pytest.fixture(scope="module")
+def env() -> RetailEnv:
+    return RetailEnv()
+
+
+@pytest.fixture(scope="module")
+def tasks() -> dict[str, list[Task]]:
+    db = load_base_db()
+    return {f.name: make_family_tasks(db, f.name, "train", 3, seed=0) for f in FAMILIES}
+
+
+def test_tools_are_tau2s_own(env):
+    from tau2.domains.retail.tools import RetailTools
+
+    kit = RetailTools(load_base_db())
+    tau2_tools = kit.get_tools()
+    for spec in env.tools:
+        assert spec.parameters == tau2_tools[spec.name].openai_schema["function"]["parameters"]
+        assert spec.kind == {"read": "read", "write": "write"}.get(kit.tool_type(spec.name).value, "generic")
+    assert {"cancel_pending_order", "get_order_details", "transfer_to_human_agents"} <= {t.name for t in env.tools}
+    assert len(retail_tool_specs("all")) == len(tau2_tools) > len(env.tools)
+    assert env.tool_kinds()["cancel_pending_order"] == "write"
+    assert env.tool_schemas()[0]["type"] == "function"
+    with pytest.raises(ValueError, match="env.tools"):
+        retail_tool_specs("some")
+
+
+def test_registry_and_config_errors():
+    cfg = EnvConfig(tasks_per_family=1)
+    assert isinstance(make_env(cfg), RetailEnv)
+    assert len(make_tasks(cfg, "train")) == len(FAMILIES)
+    with pytest.raises(ValueError, match="env.user"):
+        build_env(EnvConfig(user="llm"))
+
+
+def test_reset_opens_with_policy_and_user_and_is_cheap(env, tasks):
+    import time
+
+    task = tasks["order_status"][0]
+    t0 = time.perf_counter()
+    for _ in range(20):
+        opening = env.reset(task)
+    assert (time.perf_counter() - t0) / 20 < 0.05
+    assert opening[0].role == "system" and "yes/no" in opening[0].content
+    assert opening[1].role == "user" and task.meta["entity"] in opening[1].content
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_gold_replay_scores_one(env, tasks, family):
+    for task in tasks[family]:
+        reward, info = play_gold(env, task)
+        assert reward == 1.0, (task.id, info)
+        assert info["db_match"] and info["outputs_missing"] == []
+
+
+def test_episode_does_not_leak_into_next(env, tasks):
+    task = tasks["cancel_pending"][0]
+    play_gold(env, task)
+    env.reset(task)
+    order = json.loads(env.step(call("get_order_details", order_id=task.meta["entity"])).observations[0].content)
+    assert order["status"] == "pending"
+    assert load_base_db().orders[task.meta["entity"]].status == "pending"
+
+
+@pytest.mark.parametrize("family", WRITE_FAMILIES + ["refuse_cancel", "order_status"])
+def test_do_nothing_agent_scores_zero(env, tasks, family):
+    for task in tasks[family]:
+        env.reset(task)
+        result = env.step(say("ok, done"))
+        assert result.done
+        reward, info = env.reward()
+        assert reward == 0.0
+
+
+def test_write_without_confirmation_scores_zero(env, tasks):
+    reward, info = play_gold(env, tasks["cancel_pending"][0], confirm=False)
+    assert reward == 0.0 and info["db_match"] and info["unconfirmed_writes"] == 1
+    relaxed = RetailEnv(require_confirmation=False)
+    assert play_gold(relaxed, tasks["cancel_pending"][0], confirm=False)[0] == 1.0
+
+
+def test_wrong_write_breaks_db_match(env, tasks):
+    task = tasks["cancel_pending"][0]
+    gold = task.gold_actions[-1].arguments
+    wrong = "ordered by mistake" if gold["reason"] == "no longer needed" else "no longer needed"
+    env.reset(task)
+    env.step(say("Shall I cancel it (yes/no)?"))
+    assert not env.step(call("cancel_pending_order", order_id=gold["order_id"], reason=wrong)).observations[0].error
+    env.step(say("Your order is cancelled."))
+    reward, info = env.reward()
+    assert reward == 0.0 and info["db_match"] is False
+
+
+@pytest.mark.parametrize("action,expected", [
+    (call("no_such_tool", x=1), "unknown tool 'no_such_tool'"),
+    (call("get_order_details"), "order_id: Field required"),
+    (call("get_order_details", order_id="#W0000000", extra=1), "unexpected argument(s) for get_order_details: extra"),
+    (call("get_order_details", order_id=12), "invalid arguments for get_order_details"),
+    (call("get_order_details", order_id="#W0000000"), "Error: Order not found"),
+    (call("find_user_id_by_email", email="nobody@example.com"), "Error: User not found"),
+    (Message(role="assistant", content="<tool_call>{bad", invalid="not JSON"), "invalid action: not JSON"),
+])
+def test_bad_actions_become_error_observations(env, tasks, action, expected):
+    env.reset(tasks["order_status"][0])
+    result = env.step(action)
+    obs = result.observations[0]
+    assert obs.error and expected in obs.content
+    assert not result.done
+
+
+def test_failed_precondition_is_an_observation(env, tasks):
+    task = tasks["refuse_cancel"][0]
+    env.reset(task)
+    obs = env.step(call("cancel_pending_order", order_id=task.meta["entity"], reason="no longer needed")).observations[0]
+    assert obs.error and obs.content == "Error: Non-pending order cannot be cancelled"
+
+
+def test_tool_results_use_tau2_json(env, tasks):
+    task = tasks["order_total"][0]
+    env.reset(task)
+    obs = env.step(call("get_order_details", order_id=task.meta["entity"])).observations[0]
+    order = load_base_db().orders[task.meta["entity"]]
+    assert obs.content == json.dumps(order.model_dump())
+
+
+def test_max_steps_scores_zero(tasks):
+    env = RetailEnv(max_steps=2)
+    task = tasks["order_status"][0]
+    env.reset(task)
+    env.step(call("get_order_details", order_id=task.meta["entity"]))
+    result = env.step(call("get_order_details", order_id=task.meta["entity"]))
+    assert result.done and result.termination == "max_steps"
+    assert env.reward() == (0.0, {"termination": "max_steps"})
+
+
+def test_max_errors_and_transfer_end_episode(tasks):
+    env = RetailEnv(max_errors=2)
+    env.reset(tasks["order_status"][0])
+    env.step(call("nope"))
+    assert env.step(call("nope")).termination == "max_errors"
+    env.reset(tasks["order_status"][0])
+    result = env.step(call("transfer_to_human_agents", summary="user wants help"))
+    assert result.done and result.termination == "transfer"
+    assert env.reward()[0] == 0.0  # the status was never said
+
+
+@pytest.mark.parametrize("required,text,found", [
+    ("1234.50", "That is $1,234.50.", True),
+    ("1234.5", "The total was 1234.50 dollars", True),
+    ("536.65", "You paid $536.65 in total.", True),
+    ("100.00", "It cost 100 dollars", True),
+    ("100", "It cost 1000 dollars", False),
+    ("Delivered", "your order was DELIVERED.", True),
+    ("pending", "it is not processed", False),
+    ("delivered", "it is undelivered", False),
+])
+def test_output_matching(required, text, found):
+    assert output_found(required, [text]) is found
+
+
+def test_normalize_text():
+    assert normalize_text("Total: $1,234.50 and 3.00 and 7") == "total: $1234.5 and 3 and 7"
