@@ -1,0 +1,244 @@
+"""The τ² user side: scenarios parsed from every τ² task, the scripted user on them (reveals what it
+knows on request, never what it does not), and the LLM user against a local Messages API server."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from trace_lib.config import EnvConfig
+from trace_lib.envs.tau2 import build_env, tau2_tasks, to_task
+from trace_lib.envs.tau2_user import (
+    LLMUser, agent_greeting, confirmation_answer, parse_known_info, scenario_from_tau2, stop_token, tau2_constant,
+    user_guidelines,
+)
+from trace_lib.envs.user import ScriptedUser
+from trace_lib.llm import LLMClient
+from trace_lib.records import Message
+
+KEY = "sk-ant-test-0000-never-stored"
+ALL = [(d, t) for d in ("retail", "airline") for t in tau2_tasks(d, "base")]
+QUESTIONS = {
+    "first_name": "Could you please tell me your full name?",
+    "last_name": "Could you please tell me your full name?",
+    "zip": "What is your zip code?",
+    "email": "What is your email address?",
+    "other_email": "What is your email address?",
+    "user_id": "Can you give me your user id?",
+    "order_id": "What is the order id?",
+    "reservation_id": "What is the reservation id?",
+    "flight_number": "What is the flight number?",
+}
+PROBES = [
+    "What is your email address?", "Please provide your email.", "What is the reservation id?",
+    "Could you share your user id and zip code?", "Which order? What is the order number?",
+    "What cabin is the flight in?", "What is the date of birth of the passenger?",
+]
+
+
+# --- τ² constants -------------------------------------------------------------------------------
+def test_constants_come_from_tau2_source():
+    assert agent_greeting() == "Hi! How can I help you today?"
+    assert tau2_constant("agent/llm_agent.py", "AGENT_INSTRUCTION").startswith("You are a customer service agent")
+    assert "{global_user_sim_guidelines}" in tau2_constant("user/user_simulator.py", "SYSTEM_PROMPT")
+    assert user_guidelines().startswith("# User Simulation Guidelines")
+    assert stop_token("fine ###TRANSFER###") == "###TRANSFER###" and stop_token("thanks") is None
+    with pytest.raises(ValueError, match="no top-level assignment to NOPE"):
+        tau2_constant("agent/llm_agent.py", "NOPE")
+
+
+# --- parsing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,context,expected", [
+    ("You are Yusuf Rossi in zip code 19122.", "You received your order #W2378156 and wish to exchange",
+     {"first_name": "Yusuf", "last_name": "Rossi", "zip": "19122", "order_id": "#W2378156"}),
+    ("You are an interesting guy called Noah Patel, living in the Big Apple in 10108.", "",
+     {"first_name": "Noah", "last_name": "Patel", "zip": "10108"}),
+    ("You are Lucas (lucas_santos_6600), you live in Denver CO 80239.", "",
+     {"first_name": "Lucas", "last_name": "Santos", "user_id": "lucas_santos_6600", "zip": "80239"}),
+    ("You are aarav_santos_2259 and aarav.santos8321@example.com and aarav.santos8320@example.com.", "",
+     {"first_name": "Aarav", "last_name": "Santos", "user_id": "aarav_santos_2259",
+      "email": "aarav.santos8321@example.com", "other_email": "aarav.santos8320@example.com"}),
+    ("Your user id is 'daiki_muller_1116'.", "You want to cancel XEHM4B and 59XX6W, flight HAT005.",
+     {"first_name": "Daiki", "last_name": "Muller", "user_id": "daiki_muller_1116",
+      "reservation_id": "XEHM4B and 59XX6W", "flight_number": "HAT005"}),
+])
+def test_parse_known_info(text, context, expected):
+    assert parse_known_info(text, context) == expected
+
+
+@pytest.mark.parametrize("domain,task", ALL, ids=[f"{d}-{t.id}" for d, t in ALL])
+def test_scenarios_only_hold_what_the_task_says(domain, task):
+    scenario = scenario_from_tau2(task)
+    instr = task.user_scenario.instructions
+    source = " ".join(filter(None, [instr.known_info, instr.reason_for_call, instr.task_instructions]))
+    for key, value in scenario.known_info.items():
+        for part in value.split(" and "):
+            assert part.lower() in source.lower(), (key, part)
+    for sentence in scenario.unknown_info:
+        assert sentence in (instr.unknown_info or "")
+    assert scenario.reason_for_call == instr.reason_for_call.strip()
+
+
+def test_scenario_details():
+    by_id = {(d, t.id): t for d, t in ALL}
+    retail74 = scenario_from_tau2(by_id["retail", "74"])
+    assert retail74.unknown_info == ["You don't have an email."]
+    assert retail74.task_instructions.endswith("say you want to use your credit card.")
+    declines = sorted(int(t.id) for d, t in ALL if d == "retail" and not scenario_from_tau2(t).confirm)
+    assert declines == [5, 6, 7, 8, 9, 18, 21, 24, 71, 72, 84, 91, 92, 98]
+    assert all(scenario_from_tau2(t).confirm for d, t in ALL if d == "airline")
+    assert not confirmation_answer("You want to cancel, but if the agent asks you to confirm, you regret it.")
+    assert confirmation_answer("Only go ahead when the agent asks you to confirm if it costs less than $1000.")
+    with pytest.raises(ValueError, match="no reason_for_call"):
+        scenario_from_tau2({"id": "x", "user_scenario": {"instructions": {"domain": "retail"}}})
+
+
+# --- the scripted user on τ² scenarios ----------------------------------------------------------
+@pytest.mark.parametrize("domain,task", ALL, ids=[f"{d}-{t.id}" for d, t in ALL])
+def test_scripted_user_reveals_known_info_on_request(domain, task):
+    scenario = scenario_from_tau2(task)
+    user = ScriptedUser(scenario)
+    assert user.opening() == scenario.reason_for_call
+    for key, value in scenario.known_info.items():
+        turn = ScriptedUser(scenario).reply(QUESTIONS[key])
+        assert value.split(" and ")[0] in turn.content, (key, turn.content)
+        assert not turn.stop
+
+
+@pytest.mark.parametrize("domain,task", ALL, ids=[f"{d}-{t.id}" for d, t in ALL])
+def test_scripted_user_never_leaks_unknown_info(domain, task):
+    scenario = scenario_from_tau2(task)
+    user = ScriptedUser(scenario, max_turns=50)
+    replies = " ".join(user.reply(q).content for q in PROBES)
+    if "email" not in scenario.known_info:
+        assert "@" not in replies
+    if "reservation_id" not in scenario.known_info:
+        assert not re.search(r"\b(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{6}\b", replies.replace("HAT", "")), replies
+    if domain == "airline" and task.id == "25":  # 'You can't remember Ivan Smith's DOB'
+        assert not re.search(r"\d{4}-\d{2}-\d{2}", replies)
+    # Every id-like token the user states is one it knows (or its reason for calling, restated).
+    known_values = {p for v in scenario.known_info.values() for p in v.split(" and ")}
+    for token in re.findall(r"#W\d{7}|\b\d{5}\b|\b[a-z]+_[a-z]+_\d{4}\b", replies):
+        assert token in known_values or token in scenario.reason_for_call, token
+
+
+# --- the LLM user -------------------------------------------------------------------------------
+class MessagesServer:
+    """A local POST /v1/messages endpoint; `answer(request_body)` gives each reply's text."""
+
+    def __init__(self, answer: Callable[[dict], str]) -> None:
+        self.requests: list[dict] = []
+        self.api_keys: list[str] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                server.requests.append(body)
+                auth = self.headers.get("x-api-key") or self.headers.get("authorization", "")
+                server.api_keys.append(auth.removeprefix("Bearer "))
+                status = 200 if self.path == "/v1/messages" else 404
+                payload = {"id": f"msg_{len(server.requests)}", "type": "message", "role": "assistant",
+                           "model": body.get("model"), "stop_reason": "end_turn", "stop_sequence": None,
+                           "content": [{"type": "text", "text": answer(body)}],
+                           "usage": {"input_tokens": 50, "output_tokens": 9}}
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> MessagesServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def customer(body: dict) -> str:
+    """A stand-in for Claude playing the customer of retail task 10."""
+    last = body["messages"][-1]["content"]
+    if last == "Hi! How can I help you today?":
+        return "Hi, I'd like to return some items from my orders."
+    if "email" in last.lower():
+        return "Sure, it's mia.garcia2723@example.com."
+    return "That's all, thanks! ###STOP###"
+
+
+@pytest.fixture
+def api(monkeypatch):
+    with MessagesServer(customer) as server:
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
+        monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+        yield server
+
+
+def test_llm_user_follows_tau2_prompt_and_flips_roles(api, tmp_path):
+    task = next(t for d, t in ALL if d == "retail" and t.id == "10")
+    client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl")
+    user = LLMUser.for_task(client, task)
+    assert user.opening() == "Hi, I'd like to return some items from my orders."
+    turn = user.reply("Can I have your email address?")
+    assert turn.content == "Sure, it's mia.garcia2723@example.com." and not turn.stop
+    assert user.reply("Anything else?").stop
+    first, last = api.requests[0], api.requests[-1]
+    system = "".join(block["text"] for block in first["system"])
+    assert system.startswith(user_guidelines().strip()) and "<scenario>" in system
+    assert str(task.user_scenario) in system and first["temperature"] == 0.0
+    assert first["messages"] == [{"role": "user", "content": "Hi! How can I help you today?"}]
+    assert [m["role"] for m in last["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert set(api.api_keys) == {KEY}
+    cached = "".join(p.read_text() for p in (tmp_path / "cache").rglob("*.json"))
+    assert KEY not in cached and KEY not in (tmp_path / "ledger.jsonl").read_text()
+
+
+def test_llm_user_episode_through_build_env(api, tmp_path):
+    cfg = EnvConfig(name="tau2-retail", user="llm", max_steps=200, max_errors=10,
+                    user_cache_dir=str(tmp_path / "user_cache"))
+    t2 = next(t for d, t in ALL if d == "retail" and t.id == "10")
+    task = to_task(t2, "retail", "base")
+
+    def run() -> tuple[float, dict, list[Message]]:
+        env = build_env(cfg)
+        env.reset(task)
+        env.step(Message(role="assistant", content="Could you tell me your email address?"))
+        for i, gold in enumerate(task.gold_actions):
+            if not env.done:
+                env.step(Message(role="assistant", tool_calls=[gold.model_copy(update={"id": f"g{i}"})]))
+        reward, info = env.reward()
+        return reward, info, env.state.messages
+
+    reward, info, messages = run()
+    assert reward == 1.0 and info["user_mode"] == "llm" and info["termination"] == "transfer"
+    assert messages[2].content == "Hi, I'd like to return some items from my orders."
+    assert messages[4].content == "Sure, it's mia.garcia2723@example.com."
+    sent = len(api.requests)
+    assert run()[2] == messages and len(api.requests) == sent  # second run: every reply from the cache
+    ledger = (tmp_path / "user_cache" / "ledger.jsonl").read_text().splitlines()
+    assert {json.loads(row)["stage"] for row in ledger} == {"tau2_user"}
+
+
+def test_llm_user_stop_token_ends_episode(api, tmp_path):
+    cfg = EnvConfig(name="tau2-retail", user="llm", max_steps=200, user_cache_dir=str(tmp_path / "c"))
+    task = to_task(next(t for d, t in ALL if d == "retail" and t.id == "10"), "retail", "base")
+    env = build_env(cfg)
+    env.reset(task)
+    result = env.step(Message(role="assistant", content="Your order is on its way."))
+    assert result.done and result.termination == "user_stop"
+    assert result.observations[0].content.endswith("###STOP###")
