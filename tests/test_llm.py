@@ -1,0 +1,251 @@
+"""The LLM call layer: the real anthropic SDK against a local server that speaks the Messages API."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from trace_lib.llm import (
+    LLMClient,
+    LLMError,
+    estimate_cost,
+    extract_json,
+    ledger_totals,
+    request_key,
+    resolve_backend,
+    schema_errors,
+)
+
+KEY = "sk-test-secret-key-0123456789"
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+def _message(text: str) -> dict:
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
+            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": 11, "output_tokens": 7, "cache_creation_input_tokens": 100,
+                      "cache_read_input_tokens": 0}}
+
+
+class FakeMessagesAPI:
+    """A scripted /v1/messages endpoint: each request pops the next (status, body) from `script`."""
+
+    def __init__(self, script: list[tuple[int, dict]], max_requests: int = 20, delays: list[float] = ()) -> None:
+        self.script = list(script)
+        self.delays = list(delays)
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.max_requests = max_requests
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server naming)
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                api.requests.append(body)
+                api.headers.append({k.lower(): v for k, v in self.headers.items()})
+                if api.delays:
+                    time.sleep(api.delays.pop(0))
+                if len(api.requests) > api.max_requests or not api.script:
+                    status, payload = 500, {"type": "error", "error": {"type": "api_error", "message": "script empty"}}
+                else:
+                    status, payload = api.script[0] if len(api.script) == 1 else api.script.pop(0)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.send_header("retry-after-ms", "5")  # keep the SDK's backoff short in tests
+                try:
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on this request (timeout test)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def _error(status: int, kind: str) -> tuple[int, dict]:
+    return status, {"type": "error", "error": {"type": kind, "message": f"fake {kind}"}}
+
+
+def _client(tmp_path: Path, url: str, max_retries: int = 2) -> LLMClient:
+    return LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
+                     base_url=url, api_key=KEY, max_retries=max_retries, timeout=10)
+
+
+MSGS = [{"role": "user", "content": "What is 6 x 7?"}]
+
+
+def test_success_uses_cached_system_block_and_records_ledger(tmp_path):
+    with FakeMessagesAPI([(200, _message("42"))]) as api:
+        reply = _client(tmp_path, api.url).complete("You are terse.", MSGS, max_tokens=16, stage="discover")
+    assert (reply.text, reply.input_tokens, reply.output_tokens, reply.cached) == ("42", 11, 7, False)
+    body = api.requests[0]
+    assert body["system"] == [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}]
+    assert body["messages"] == MSGS and body["max_tokens"] == 16 and body["temperature"] == 0.0
+    sent = api.headers[0]
+    assert KEY in (sent.get("x-api-key"), sent.get("authorization", "").removeprefix("Bearer "))
+    totals = ledger_totals(tmp_path / "ledger.jsonl")
+    assert totals["discover"]["calls"] == 1 and totals["discover"]["input_tokens"] == 11
+    expected = estimate_cost("claude-sonnet-4-5", 11, 7, cache_write=100)
+    assert totals["discover"]["cost_usd"] == pytest.approx(expected)
+
+
+def test_429_then_success_retries(tmp_path):
+    with FakeMessagesAPI([_error(429, "rate_limit_error"), (200, _message("ok"))]) as api:
+        reply = _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8)
+    assert reply.text == "ok" and len(api.requests) == 2
+
+
+def test_timeout_is_retried(tmp_path):
+    with FakeMessagesAPI([(200, _message("late but fine"))], delays=[1.0]) as api:
+        client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", base_url=api.url, api_key=KEY,
+                           max_retries=1, timeout=0.3)
+        assert client.complete("s", MSGS, max_tokens=8).text == "late but fine"
+    assert len(api.requests) == 2
+
+
+def test_500_forever_gives_clear_error_after_bounded_retries(tmp_path):
+    with FakeMessagesAPI([_error(500, "api_error")]) as api:
+        with pytest.raises(LLMError, match=r"HTTP 500 after 2 retries") as info:
+            _client(tmp_path, api.url, max_retries=2).complete("s", MSGS, max_tokens=8)
+    assert len(api.requests) == 3
+    assert KEY not in str(info.value)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
+
+
+def test_malformed_json_is_reasked_once(tmp_path):
+    with FakeMessagesAPI([(200, _message("sure! {answer: 42")), (200, _message('```json\n{"answer": 42}\n```'))]) as api:
+        value = _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32)
+    assert value == {"answer": 42} and len(api.requests) == 2
+    reask = api.requests[1]["messages"]
+    assert reask[1] == {"role": "assistant", "content": "sure! {answer: 42"}
+    assert "not valid JSON" in reask[2]["content"]
+
+
+def test_schema_mismatch_twice_is_a_clear_error(tmp_path):
+    with FakeMessagesAPI([(200, _message('{"answer": "forty-two"}'))]) as api:
+        with pytest.raises(LLMError, match=r"does not match the schema at answer: expected integer, got str.*after one re-ask"):
+            _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32)
+    assert len(api.requests) == 2
+
+
+def test_cache_hit_sends_zero_requests_and_same_bytes(tmp_path):
+    with FakeMessagesAPI([(200, _message('{"answer": 42}'))]) as api:
+        first = _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
+    cache_files = sorted((tmp_path / "cache").rglob("*.json"))
+    snapshot = [p.read_bytes() for p in cache_files]
+    with FakeMessagesAPI([_error(500, "api_error")]) as api2:
+        client = _client(tmp_path, api2.url)
+        second = client.complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
+    assert first == second == {"answer": 42}
+    assert api2.requests == [] and client.requests_sent == 0
+    assert [p.read_bytes() for p in cache_files] == snapshot
+    for p in (tmp_path / "cache").rglob("*.json"):
+        assert KEY not in p.read_text()
+    assert KEY not in (tmp_path / "ledger.jsonl").read_text()
+    assert KEY not in repr(client)
+
+
+def test_cache_hit_is_free(tmp_path):
+    with FakeMessagesAPI([(200, _message("hi"))]) as api:
+        _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="x")
+    with FakeMessagesAPI([_error(500, "api_error")]) as api2:
+        client = _client(tmp_path, api2.url)
+        reply = client.complete("s", MSGS, max_tokens=8, stage="x")
+    assert reply.cached and reply.text == "hi" and api2.requests == [] and client.requests_sent == 0
+    rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [r["cached"] for r in rows] == [False, True] and rows[1]["cost_usd"] == 0.0
+
+
+def test_request_key_depends_on_every_field():
+    base = dict(backend="anthropic", model="m", system="s", messages=MSGS, max_tokens=8, temperature=0.0, schema=None)
+    keys = {request_key(**base)}
+    for field, value in [("backend", "local"), ("model", "m2"), ("system", "t"), ("max_tokens", 9),
+                         ("temperature", 0.5), ("schema", SCHEMA), ("messages", [{"role": "user", "content": "x"}])]:
+        keys.add(request_key(**{**base, field: value}))
+    assert len(keys) == 8
+
+
+def test_resolve_backend_auto(monkeypatch, capsys):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    assert resolve_backend("auto") == "rules"
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    assert resolve_backend("auto") == "anthropic"
+    err = capsys.readouterr().err
+    assert "auto -> rules" in err and "auto -> anthropic" in err and KEY not in err
+    with pytest.raises(ValueError, match="unknown backend 'gpt'"):
+        resolve_backend("gpt")
+
+
+def test_missing_key_and_rules_backend_are_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    with pytest.raises(LLMError, match="ANTHROPIC_API_KEY is not set"):
+        LLMClient("anthropic", "claude-sonnet-4-5", tmp_path).complete("s", MSGS, max_tokens=8)
+    with pytest.raises(LLMError, match="not an LLM"):
+        LLMClient("rules", "rules", tmp_path).complete("s", MSGS, max_tokens=8)
+
+
+def test_extract_json_variants():
+    assert extract_json('{"a": 1}') == {"a": 1}
+    assert extract_json('Here:\n```json\n[1, 2]\n```\nDone') == [1, 2]
+    assert extract_json('prefix {"a": {"b": 2}} suffix') == {"a": {"b": 2}}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        extract_json("no json here")
+
+
+def test_local_backend_through_the_policy(tmp_path, tiny_model_dir):
+    client = LLMClient("local", str(tiny_model_dir), tmp_path / "cache", tmp_path / "ledger.jsonl", seed=0)
+    first = client.complete("Answer briefly.", MSGS, max_tokens=6, stage="label")
+    assert not first.cached and first.output_tokens <= 6 and first.input_tokens > 0
+    again = LLMClient("local", str(tiny_model_dir), tmp_path / "cache").complete("Answer briefly.", MSGS, max_tokens=6)
+    assert again.cached and again.text == first.text
+    with pytest.raises(LLMError, match="after one re-ask"):  # a random tiny model does not write JSON
+        client.complete_json("Answer briefly.", MSGS, SCHEMA, max_tokens=4)
+
+
+def test_schema_errors_subset():
+    schema = {"type": "object", "required": ["labels"], "additionalProperties": False,
+              "properties": {"labels": {"type": "array", "minItems": 1, "items": {
+                  "type": "object", "required": ["id", "label"],
+                  "properties": {"id": {"type": "string", "minLength": 1},
+                                 "label": {"enum": ["PRESENT", "LACKING", "NA"]},
+                                 "n": {"type": "integer"}}}}}}
+    assert schema_errors({"labels": [{"id": "a", "label": "NA", "n": 3}]}, schema) == []
+    assert schema_errors([], schema) == ["at (top level): expected object, got list"]
+    assert schema_errors({}, schema) == ["at (top level): missing required key 'labels'"]
+    assert schema_errors({"labels": [], "x": 1}, schema) == ["at labels: fewer than 1 items",
+                                                             "at (top level): unexpected key 'x'"]
+    assert schema_errors({"labels": [{"id": "", "label": "maybe", "n": True}]}, schema) == [
+        "at labels/0/id: shorter than 1 characters",
+        "at labels/0/label: 'maybe' is not one of ['PRESENT', 'LACKING', 'NA']",
+        "at labels/0/n: expected integer, got bool"]
+    assert schema_errors(1.5, {"type": ["number", "null"]}) == [] and schema_errors(None, {"type": ["number", "null"]}) == []
+
+
+def test_ledger_totals_bill_only_sent_requests(tmp_path):
+    with FakeMessagesAPI([(200, _message("hi"))]) as api:
+        client = _client(tmp_path, api.url)
+        client.complete("s", MSGS, max_tokens=8, stage="score")
+        client.complete("s", MSGS, max_tokens=8, stage="score")
+    t = ledger_totals(tmp_path / "ledger.jsonl")["score"]
+    assert (t["calls"], t["cache_hits"], t["input_tokens"], t["output_tokens"]) == (2, 1, 11, 7)
+    assert ledger_totals(tmp_path / "missing.jsonl") == {}
