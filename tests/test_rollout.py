@@ -62,3 +62,14 @@ def test_step_after_done_is_an_error():
 
     with pytest.raises(RuntimeError, match="finished episode"):
         env.step(Message(role="assistant", content="again"))
+
+
+def test_tool_choice_first_requires_a_call_only_on_the_opening_turn():
+    policy = ScriptedPolicy()
+    tasks = [kv_task(i) for i in range(1, 3)]
+    cfg = RolloutConfig(samples_per_task=1, batch_size=2, tool_choice="first")
+    collect_rollouts(policy, KVEnv, tasks, cfg, seed=0, progress=False)
+    assert policy.required == [[True, True], [False, False]]
+    policy = ScriptedPolicy()
+    collect_rollouts(policy, KVEnv, tasks, RolloutConfig(samples_per_task=1, batch_size=2), seed=0, progress=False)
+    assert policy.required == [[False, False], [False, False]]

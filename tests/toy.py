@@ -80,8 +80,11 @@ class ScriptedPolicy:
     def __init__(self, bad_every: int = 0) -> None:
         self.bad_every = bad_every
         self.calls: list[int] = []
+        self.required: list[list[bool]] = []
 
-    def generate(self, conversations, tools, *, temperature, top_p, max_new_tokens, seed, constrained):
+    def generate(self, conversations, tools, *, temperature, top_p, max_new_tokens, seed, constrained,
+                 require_tool_call=False):
+        self.required.append(list(require_tool_call))
         self.calls.append(len(conversations))
         out = []
         for conv in conversations:

@@ -34,7 +34,8 @@ class Generator(Protocol):
     policy_id: str
 
     def generate(self, conversations: list[list[Message]], tools: list[dict], *, temperature: float,
-                 top_p: float, max_new_tokens: int, seed: int, constrained: bool) -> list[Any]: ...
+                 top_p: float, max_new_tokens: int, seed: int, constrained: bool,
+                 require_tool_call: bool | list[bool] = False) -> list[Any]: ...
 
 
 @dataclass
@@ -107,6 +108,7 @@ def collect_rollouts(
         gens = policy.generate(
             [ep.messages for ep in live], tools, temperature=cfg.temperature, top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + call, constrained=cfg.constrained,
+            require_tool_call=[must_call(cfg.tool_choice, ep.env) for ep in live],
         )
         timing.generate_seconds += time.perf_counter() - g0
         call += 1
@@ -127,6 +129,13 @@ def collect_rollouts(
     bar.close()
     timing.seconds = time.perf_counter() - t0
     return sorted(done, key=lambda t: t.id), timing
+
+
+def must_call(tool_choice: str, env: Environment) -> bool:
+    """Whether the agent's next turn must be a tool call under `rollout.tool_choice`."""
+    if tool_choice == "required":
+        return True
+    return tool_choice == "first" and env.state is not None and env.state.steps == 0
 
 
 def _with_call_ids(msg: Message, turn: int) -> Message:
