@@ -92,3 +92,26 @@ def test_bad_params_key_fails_before_any_work(scratch_repo: Path):
     assert proc.returncode != 0
     assert "rollout.temperatur: unknown key" in proc.stdout + proc.stderr
     assert not (scratch_repo / "scratch_out").exists()
+
+
+def test_dvc_repro_score_runs_discover_and_score(scratch_repo: Path):
+    """`dvc repro score` pulls discover and score after the rollouts; the analyst cache is no output."""
+    params_file = scratch_repo / "params.yaml"
+    params = yaml.safe_load(params_file.read_text())
+    params["analyst"]["backend"] = "rules"  # offline whatever keys the environment holds
+    params_file.write_text(yaml.safe_dump(params))
+    _run([str(BIN / "dvc"), "repro", "score"], scratch_repo)
+
+    caps = [json.loads(line) for line in (scratch_repo / "data/discover/capabilities.jsonl").read_text().splitlines()]
+    scores = [json.loads(line) for line in (scratch_repo / "data/score/scores.jsonl").read_text().splitlines()]
+    assert sorted(s["capability_id"] for s in scores) == sorted(c["id"] for c in caps)
+    metrics = json.loads((scratch_repo / "reports/metrics/score.json").read_text())
+    assert metrics["analyst"] == "rules" and metrics["candidates"] == len(caps)
+    assert set(metrics["reasons"]) == {c["id"] for c in caps} and "ground_truth" in metrics
+    assert json.loads((scratch_repo / "reports/metrics/discover.json").read_text())["analyst"] == "rules"
+    for name in ("score_error_rates", "score_delta_coverage", "score_stability"):
+        assert (scratch_repo / f"reports/figures/{name}.png").stat().st_size > 1000
+    assert (scratch_repo / "reports/notebooks/03_score.ipynb").exists()
+
+    again = _run([str(BIN / "dvc"), "repro", "score"], scratch_repo)
+    assert "didn't change" in again.stdout or "up to date" in again.stdout

@@ -10,14 +10,11 @@ import io
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-
-from trace_lib.io import atomic_write_bytes  # noqa: E402
+from trace_lib.io import atomic_write_bytes
 
 
 def set_theme() -> None:
