@@ -197,6 +197,10 @@ def run_rollout(params: Params, model_dir: Path, root: Path = Path("."), progres
     """The whole stage: load policy and tasks, roll out, write trajectories and metrics."""
     from trace_lib.policy import load_policy  # heavy import, kept out of module import time
 
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
+                                "(dvc repro prepare_model)")
+
     if params.rollout.threads:
         import torch
 
