@@ -126,3 +126,16 @@ def test_tool_call_can_be_required_per_row(policy):
         if flag:
             assert gen.text.startswith("<tool_call>"), gen.text
     assert any(not g.text.startswith("<tool_call>") for g in gens), "free rows may answer in text"
+
+
+def test_tools_with_shared_defs_compile(smollm2_tokenizer):
+    """τ² airline's schemas reference pydantic `$defs`; they must survive being nested in anyOf."""
+    tools = [{"type": "function", "function": {
+        "name": "book", "description": "Book flights.",
+        "parameters": {"type": "object", "$defs": {"Flight": {"type": "object", "properties": {
+            "number": {"type": "string"}}, "required": ["number"]}},
+            "properties": {"flights": {"type": "array", "items": {"$ref": "#/$defs/Flight"}}},
+            "required": ["flights"]}}}]
+    schema = call_schema(tools + TOOLS)
+    assert schema["$defs"]["Flight"]["properties"]["number"]["maxLength"] > 0
+    compile_tool_grammar(smollm2_tokenizer, tools + TOOLS)

@@ -56,11 +56,19 @@ def _bounded(schema: Any, max_string_chars: int) -> Any:
 
 
 def call_schema(tools: list[dict[str, Any]], max_string_chars: int = MAX_STRING_CHARS) -> dict[str, Any]:
-    """One JSON schema accepting `{"name": <tool>, "arguments": {...}}` for any of `tools`."""
+    """One JSON schema accepting `{"name": <tool>, "arguments": {...}}` for any of `tools`.
+
+    Tools whose parameters use `$defs` (pydantic models, e.g. τ² airline) keep working: every
+    `#/$defs/...` reference is resolved against one `$defs` table hoisted to the root.
+    """
     cases = []
+    defs: dict[str, Any] = {}
     for tool in normalize_tools(tools):
         fn = tool["function"]
         params = copy.deepcopy(fn.get("parameters") or {"type": "object", "properties": {}})
+        for name, definition in params.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise ValueError(f"tools define $defs/{name} differently; cannot share one grammar")
         params.setdefault("type", "object")
         params.setdefault("properties", {})
         cases.append({
@@ -71,7 +79,10 @@ def call_schema(tools: list[dict[str, Any]], max_string_chars: int = MAX_STRING_
         })
     if not cases:
         raise ValueError("constrained decoding needs at least one tool")
-    return {"anyOf": cases}
+    schema: dict[str, Any] = {"anyOf": cases}
+    if defs:
+        schema["$defs"] = _bounded(defs, max_string_chars)
+    return schema
 
 
 def _text_ebnf(max_text_chars: int) -> str:
