@@ -12,9 +12,9 @@ episode's slot is refilled from the queue, so the batch stays full until the que
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from trace_lib.config import EnvConfig, Params, RolloutConfig
 from trace_lib.envs import make_env, make_tasks
-from trace_lib.envs.base import Environment
+from trace_lib.envs.base import Environment, EpisodeState
 from trace_lib.io import write_json, write_jsonl
 from trace_lib.records import Message, Task, Trajectory
 from trace_lib.stats import wilson_interval
@@ -43,10 +43,14 @@ class _Episode:
     task: Task
     sample: int
     env: Environment
-    messages: list[Message]
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def state(self) -> EpisodeState:
+        """The environment's episode state: the conversation so far and its counters."""
+        assert self.env.state is not None, "episodes are created right after env.reset()"
+        return self.env.state
 
 
 @dataclass
@@ -68,8 +72,7 @@ def episode_queue(tasks: Sequence[Task], samples_per_task: int) -> list[tuple[Ta
 
 def _finish(ep: _Episode, policy_id: str, seed: int, adapter: str | None) -> Trajectory:
     reward, info = ep.env.reward()
-    st = ep.env.state
-    assert st is not None
+    st = ep.state
     return Trajectory(
         id=f"{ep.task.id}#{ep.sample}", task_id=ep.task.id, env=ep.task.env, family=ep.task.family,
         split=ep.task.split, policy_id=policy_id, adapter=adapter, seed=seed, sample=ep.sample,
@@ -102,11 +105,12 @@ def collect_rollouts(
         while queue and len(live) < cfg.batch_size:
             task, sample = queue.pop()
             env = env_factory()
-            live.append(_Episode(task, sample, env, env.reset(task)))
+            env.reset(task)
+            live.append(_Episode(task, sample, env))
         tools = live[0].env.tool_schemas()
         g0 = time.perf_counter()
         gens = policy.generate(
-            [ep.messages for ep in live], tools, temperature=cfg.temperature, top_p=cfg.top_p,
+            [ep.state.messages for ep in live], tools, temperature=cfg.temperature, top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + call, constrained=cfg.constrained,
             require_tool_call=[must_call(cfg.tool_choice, ep.env) for ep in live],
         )
@@ -114,12 +118,11 @@ def collect_rollouts(
         call += 1
         still: list[_Episode] = []
         for ep, gen in zip(live, gens, strict=True):
-            msg = _with_call_ids(gen.message, ep.env.state.steps if ep.env.state else 0)
+            msg = _with_call_ids(gen.message, ep.state.steps)
             ep.prompt_tokens += gen.prompt_tokens
             ep.completion_tokens += gen.completion_tokens
             timing.completion_tokens += gen.completion_tokens
             result = ep.env.step(msg)
-            ep.messages = ep.env.state.messages if ep.env.state else ep.messages
             if result.done:
                 done.append(_finish(ep, policy.policy_id, seed, adapter))
                 bar.update(1)
@@ -168,16 +171,9 @@ def summarize(trajectories: Sequence[Trajectory], group_by: str = "family") -> d
         "mean_tool_calls_success": (sum(t.tool_calls for t in successes) / len(successes)) if successes else None,
         "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(1, turns),
         "tool_error_rate": sum(t.tool_errors for t in trajectories) / max(1, sum(t.tool_calls for t in trajectories)),
-        "terminations": dict(sorted(_count(t.termination for t in trajectories).items())),
+        "terminations": dict(sorted(Counter(t.termination for t in trajectories).items())),
         f"by_{group_by}": {g: _rate(sum(t.success for t in ts), len(ts)) for g, ts in sorted(groups.items())},
     }
-
-
-def _count(items) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for i in items:
-        out[i] += 1
-    return dict(out)
 
 
 def rollout_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
