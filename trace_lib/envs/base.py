@@ -13,7 +13,6 @@ step / error limits are hit; a run that ends on a limit scores 0.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -193,11 +192,3 @@ class Environment(ABC):
         st = self._require_state()
         return [m.content for m in st.messages if m.role == "assistant" and not m.tool_calls and m.invalid is None]
 
-
-def render_observation(value: Any) -> str:
-    """Tool results as the agent sees them: JSON for structured values, plain text otherwise."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, BaseModel):
-        value = value.model_dump(mode="json")
-    return json.dumps(value, sort_keys=True, default=str)
