@@ -156,6 +156,124 @@ class ScoreConfig(Section):
         return self
 
 
+class ValidationConfig(Section):
+    """Sandboxed checks every synthesized environment must pass (trace_lib.validate)."""
+
+    n_seeds: int = Field(8, ge=2)
+    """Seeds on which determinism, diversity and the reference / do-nothing / random policies run."""
+    max_do_nothing_pass: float = Field(0.25, ge=0, le=1)
+    """Largest share of seeds a do-nothing policy may pass (it should pass almost none)."""
+    max_random_pass: float = Field(0.25, ge=0, le=1)
+    """Largest share of seeds a random-tool policy may pass."""
+    min_distinct_tasks: float = Field(0.5, gt=0, le=1)
+    """Diversity: distinct tasks over seeds must be at least this share of `n_seeds`."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Wall time per sandbox request (load, generate, tool call, evaluate) before the worker is killed."""
+    cpu_s: int = Field(120, ge=1)
+    """CPU seconds for the whole sandbox process (RLIMIT_CPU)."""
+    memory_mb: int = Field(2048, ge=64)
+    """Address-space limit of the sandbox process (RLIMIT_AS)."""
+    band: bool = False
+    """Also check the difficulty band with the base policy (costs rollouts, counted in the ledger)."""
+    band_lo: float = Field(0.1, ge=0, le=1)
+    band_hi: float = Field(0.9, ge=0, le=1)
+    band_seeds: int = Field(4, ge=1)
+    band_samples: int = Field(4, ge=2)
+    """K samples per seed; a band check also needs at least one seed whose K rewards differ."""
+
+    @model_validator(mode="after")
+    def _band_order(self) -> ValidationConfig:
+        if self.band_lo > self.band_hi:
+            raise ValueError(f"band_lo ({self.band_lo}) must be <= band_hi ({self.band_hi})")
+        return self
+
+
+class SynthesizeConfig(Section):
+    """One validated synthetic environment per kept capability (stage `synthesize`, paper §3.2)."""
+
+    backend: Literal["auto", "template", "anthropic", "local"] = "auto"
+    """'template': offline parameterized generators (pairs with the rules analyst); 'anthropic' /
+    'local': an LLM writes the module; 'auto': template when the analyst backend resolves to rules."""
+    max_attempts: int = Field(3, ge=1)
+    """LLM synthesizer: attempts per capability, each fed the previous attempt's validation errors."""
+    difficulty: int = Field(1, ge=0)
+    """Generator difficulty knob passed to `generate_task(seed, difficulty)`."""
+    max_tokens: int = Field(8192, ge=256)
+    temperature: float = Field(0.2, ge=0)
+    example_trajectories: int = Field(2, ge=0)
+    """LLM synthesizer: evidence trajectories shown in the prompt."""
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+
+
+class RewardConfig(Section):
+    """Trajectory reward for training: the environment's 0/1, optionally efficiency-aware."""
+
+    efficiency: bool = False
+    """R = R+ - λ·max(0, tool_calls - l_t) for a correct trajectory, R- for a wrong one."""
+    r_pos: float = 1.0
+    r_neg: float = 0.0
+    lam: float = Field(0.05, ge=0)
+    """λ: penalty per tool call above the threshold l_t."""
+    warmup_threshold: int = Field(8, ge=0)
+    """l_t before (and during) warm-up."""
+    warmup_epochs: int = Field(1, ge=0)
+    """W: epochs before l_t starts to tighten to the fewest calls of the epoch's correct trajectories."""
+    max_tool_calls: int = Field(16, ge=1)
+    """Most tool calls a trajectory can make (the env's step limit bounds it); used to check that
+    no wrong trajectory can outscore a correct one: R- < R+ - λ·max_tool_calls."""
+
+    @model_validator(mode="after")
+    def _wrong_below_correct(self) -> RewardConfig:
+        if self.efficiency and self.r_neg >= self.r_pos - self.lam * self.max_tool_calls:
+            raise ValueError(
+                f"r_neg ({self.r_neg}) must be < r_pos - lam*max_tool_calls "
+                f"({self.r_pos} - {self.lam}*{self.max_tool_calls} = {self.r_pos - self.lam * self.max_tool_calls:g}): "
+                "otherwise a wrong trajectory can outscore a correct one"
+            )
+        return self
+
+
+class TrainConfig(Section):
+    """GRPO with one LoRA adapter per capability (stage `train`, paper §3.3)."""
+
+    backend: Literal["auto", "trl", "unsloth"] = "auto"
+    """'auto': unsloth when CUDA is available and unsloth imports, else TRL on CPU/GPU."""
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    learning_rate: float = Field(1e-5, gt=0)
+    iterations: int = Field(3, ge=1)
+    """GRPO iterations (optimizer steps); each samples `groups` seeds x `group_size` rollouts."""
+    groups: int = Field(2, ge=1)
+    """G: environment seeds (groups) per iteration."""
+    group_size: int = Field(4, ge=2)
+    """K: rollouts per seed; advantages are normalized within the group."""
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(96, ge=1)
+    beta: float = Field(0.0, ge=0)
+    """KL weight to the base model (0 in the paper)."""
+    epsilon: float = Field(0.2, gt=0)
+    """PPO clip range of the GRPO objective."""
+    tool_result_tokens: int = Field(256, ge=16)
+    """Earlier tool results are truncated to this many tokens in training prompts."""
+    filter_lookup_only: bool = True
+    """Drop samples whose only action is a read-only lookup (keeping one sample per episode)."""
+    rollout_budget: int | None = Field(None, ge=1)
+    """Rollouts one adapter may spend (None: iterations x groups x group_size); training stops there."""
+    seed_offset: int = 1000
+    """Training seeds start here so they never coincide with validation seeds."""
+    save_every: int = Field(1, ge=1)
+    """Checkpoint (adapter + optimizer + ledger) every this many iterations, for resume."""
+    max_steps_per_episode: int = Field(6, ge=1)
+    constrained: bool = True
+    tool_choice: Literal["auto", "first", "required"] = "first"
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    mixture: dict[str, float] = Field(default_factory=dict)
+    """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
+
+
 class Params(Section):
     profile: Literal["cpu", "paper"] = "cpu"
     """Size switch: 'cpu' (SmolLM2, minutes) or 'paper' (the paper's model and budgets)."""
@@ -167,6 +285,8 @@ class Params(Section):
     analyst: AnalystConfig = Field(default_factory=AnalystConfig)
     discover: DiscoverConfig = Field(default_factory=DiscoverConfig)
     score: ScoreConfig = Field(default_factory=ScoreConfig)
+    synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
 
 
 # Values a profile sets when params.yaml does not; the file always wins.
@@ -177,6 +297,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "env": {"tasks_per_family": 64, "max_steps": 30, "max_errors": 10},
         "rollout": {"samples_per_task": 1, "temperature": 0.0, "max_new_tokens": 512,
                     "batch_size": 32, "constrained": False},
+        "synthesize": {"validation": {"band": True}},
+        "train": {"lora_rank": 16, "lora_alpha": 32, "learning_rate": 1e-5, "iterations": 40, "groups": 64,
+                  "group_size": 16, "temperature": 1.0, "max_new_tokens": 512, "max_steps_per_episode": 30,
+                  "constrained": False, "tool_choice": "auto", "tool_result_tokens": 1024},
     },
 }
 

@@ -1,0 +1,136 @@
+"""What a synthesized environment module may import: the target's tools, run on a private world.
+
+Read by synthetic environment modules (`data/envs/<capability>/env.py`) inside the sandbox; writes
+nothing. Paper §3.2: a synthetic environment exposes the SAME tools as the target, so a LoRA adapter
+trained on it acts on the real target without any interface shift. Rather than re-implementing the
+tools (and drifting from them), a module builds a `TargetWorld`: τ²-bench's own tool implementations
+over a private copy of the target's database, with schemas read from the target at run time.
+
+The module contract (checked by `trace_lib.validate.validate_env`, driven through
+`trace_lib.envs.synthetic.SyntheticEnv`), all module-level names:
+
+    CAPABILITY: str                      the capability id the environment trains
+    TARGET: dict                         {"name": "retail", "tools": "core"}: the target env section
+    DIFFICULTY: dict                     {"default": 1, "min": 0, "max": 3} (generator knob range)
+    tool_schemas() -> list[dict]         the target's tools, JSON-schema function format; validation
+                                         requires them equal to the target's own (names, arguments,
+                                         descriptions)
+    generate_task(seed, difficulty) -> dict
+                                         fields of a `trace_lib.records.Task` except id/env/split/
+                                         family: instruction, user (UserScenario fields),
+                                         required_outputs, gold_actions [{name, arguments}], meta;
+                                         JSON-serialisable, deterministic in (seed, difficulty)
+    init_state(task) -> object           the episode's world (stays inside the sandbox)
+    call_tool(state, name, arguments) -> str
+                                         run one tool call; raise ToolError (or any exception) to
+                                         refuse, the message becomes the agent's error observation
+    evaluate(trajectory, task, state) -> int
+                                         1 when the capability was exercised correctly, else 0;
+                                         trajectory = {"messages": [Message dicts], "termination": str,
+                                         "tool_calls": int, "tool_errors": int, "invalid_actions": int}
+    solve(task) -> list[dict]            reference actions, replayed against the scripted user:
+                                         {"tool": name, "arguments": {...}} or {"say": text}
+
+Only the standard-library modules in `trace_lib.sandbox.ALLOWED_IMPORTS`, this module and τ²-bench's
+domain packages may be imported by a module; the sandbox checks that before running anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ToolError(Exception):
+    """A tool refused the call (unknown id, wrong status, bad arguments); the text is the observation."""
+
+
+def _retail():
+    from trace_lib.envs import retail
+
+    return retail
+
+
+def _check_target(target: dict[str, Any]) -> tuple[str, str]:
+    name = target.get("name")
+    tools = target.get("tools", "core")
+    if name == "retail":
+        return name, tools
+    if name == "tau2-retail":
+        return name, "all"
+    raise ValueError(f"synth_sdk: target {name!r} is not supported; 'retail' and 'tau2-retail' are")
+
+
+def target_tool_schemas(target: dict[str, Any]) -> list[dict[str, Any]]:
+    """The target's tool schemas, exactly as the agent sees them on the target."""
+    _, tools = _check_target(target)
+    return [spec.to_schema() for spec in _retail().retail_tool_specs(tools)]
+
+
+def target_tool_kinds(target: dict[str, Any]) -> dict[str, str]:
+    """Tool name -> 'read' / 'write' / 'generic', as on the target."""
+    _, tools = _check_target(target)
+    return {spec.name: spec.kind for spec in _retail().retail_tool_specs(tools)}
+
+
+def target_db(target: dict[str, Any]):
+    """The target's pristine database (τ²'s RetailDB): read it, never mutate it."""
+    _check_target(target)
+    return _retail().load_base_db()
+
+
+class TargetWorld:
+    """τ²'s tools on a private copy-on-write copy of the target database (one per episode)."""
+
+    def __init__(self, target: dict[str, Any]) -> None:
+        _, tools = _check_target(target)
+        retail = _retail()
+        self._retail = retail
+        self._session = retail._Session()
+        self._names = {spec.name for spec in retail.retail_tool_specs(tools)}
+        self.calls: list[dict[str, Any]] = []
+        """Every call made, in order: {"name", "arguments", "ok"}."""
+
+    @property
+    def db(self):
+        return self._session.db
+
+    def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """Run `name(**arguments)` with τ²'s implementation; raise ToolError on refusal."""
+        from trace_lib.records import ToolCall
+
+        if name not in self._names:
+            self.calls.append({"name": name, "arguments": arguments, "ok": False})
+            raise ToolError(f"Tool '{name}' not found.")
+        text, is_error = self._retail.execute_call(self._session, ToolCall(name=name, arguments=arguments))
+        self.calls.append({"name": name, "arguments": arguments, "ok": not is_error})
+        if is_error:
+            raise ToolError(text.removeprefix("Error: "))
+        return text
+
+    def db_hash(self) -> str:
+        return self._session.db_hash()
+
+
+def gold_db_hash(target: dict[str, Any], gold_actions: list[dict[str, Any]]) -> str:
+    """Hash of the target database after replaying `gold_actions` ({name, arguments}) on a fresh world."""
+    world = TargetWorld(target)
+    for action in gold_actions:
+        try:
+            world.call(action["name"], action.get("arguments", {}))
+        except ToolError:
+            pass
+    return world.db_hash()
+
+
+def said(trajectory: dict[str, Any], needle: str) -> bool:
+    """Whether the agent told the user `needle` (the target's COMMUNICATE matching rules)."""
+    texts = [m.get("content", "") for m in trajectory.get("messages", [])
+             if m.get("role") == "assistant" and not m.get("tool_calls") and not m.get("invalid")]
+    return _retail().output_found(needle, texts)
+
+
+def tool_calls(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
+    """The agent's tool calls in order: {"name", "arguments"}."""
+    return [{"name": c.get("name"), "arguments": c.get("arguments", {})}
+            for m in trajectory.get("messages", []) if m.get("role") == "assistant"
+            for c in m.get("tool_calls", [])]
