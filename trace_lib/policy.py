@@ -130,6 +130,10 @@ class Policy:
     def policy_id(self) -> str:
         return self.base_id if self.adapter is None else f"{self.base_id}+{self.adapter}"
 
+    def clear_prefix_cache(self) -> None:
+        """Drop the cached prefix KV states; call after the weights change (e.g. a training step)."""
+        self._prefixes.clear()
+
     def _adapter_context(self):
         if self.adapter is None and self.adapters:
             return self.model.disable_adapter()

@@ -1,0 +1,198 @@
+"""Adapter composition: single adapter, exact weighted merges, bit-exact restore (tiny random model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trace_lib.compose import apply_route, is_merged, merge_label, merged_adapters, use_adapter, use_weights
+from trace_lib.policy import load_policy
+from trace_lib.records import Message
+from trace_lib.route import RouteDecision, label_probabilities, route_labels
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_lora(model_dir, out, seed: int, r: int, alpha: int, targets: list[str]):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    # PEFT zero-inits B (a fresh adapter is a no-op); init_lora_weights=False keeps both A and B at
+    # nn.Linear's random init, so every delta is non-zero.
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    # different ranks and target sets: merges must not assume either is shared
+    return {"a": save_lora(tiny_model_dir, root / "a", 1, r=4, alpha=8, targets=ALL),
+            "b": save_lora(tiny_model_dir, root / "b", 2, r=2, alpha=6, targets=["q_proj", "v_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir, adapter_dirs):
+    return load_policy(tiny_model_dir, adapters={k: str(v) for k, v in adapter_dirs.items()}, policy_id="tiny")
+
+
+@pytest.fixture(scope="module")
+def ids(policy):
+    texts = ["Hello, I need to cancel order #W123 please.", "What is the balance of my gift card?"]
+    rows = [policy.encode(t) for t in texts]
+    n = min(len(r) for r in rows)
+    return torch.tensor([r[:n] for r in rows])
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids).logits.float()
+
+
+def base_logits(policy, ids) -> torch.Tensor:
+    with policy.model.disable_adapter():
+        return logits(policy.model, ids)
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def explicit_model(model_dir, adapter_dirs, weights: dict[str, float]):
+    """A plain transformers model whose weights are set to W + Σ α·(B A · lora_alpha / r), computed
+    from the adapter files without PEFT."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, alpha in weights.items():
+            folder = adapter_dirs[name]
+            cfg = json.loads((folder / "adapter_config.json").read_text())
+            scaling = cfg["lora_alpha"] / cfg["r"]
+            tensors = load_file(folder / "adapter_model.safetensors")
+            for key, a in tensors.items():
+                if not key.endswith("lora_A.weight"):
+                    continue
+                b = tensors[key.replace("lora_A", "lora_B")]
+                path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                modules[path].weight += alpha * scaling * (b @ a)
+    return model
+
+
+def test_adapters_change_the_model(policy, ids):
+    # guards the other tests: random LoRA deltas must move the logits well above the tolerances
+    base = base_logits(policy, ids)
+    with use_adapter(policy, "a"):
+        assert (logits(policy.model, ids) - base).abs().max() > 1e-2
+    with use_adapter(policy, "b"):
+        assert (logits(policy.model, ids) - base).abs().max() > 1e-2
+
+
+def test_merged_single_adapter_equals_active_adapter(policy, ids):
+    for name in ("a", "b"):
+        with use_adapter(policy, name):
+            ref = logits(policy.model, ids)
+        with merged_adapters(policy.model, {name: 1.0}):
+            got = logits(policy.model, ids)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_weighted_merge_equals_explicit_weights(policy, ids, tiny_model_dir, adapter_dirs):
+    weights = {"a": 0.7, "b": -0.45}
+    with merged_adapters(policy.model, weights):
+        got = logits(policy.model, ids)
+    ref = logits(explicit_model(tiny_model_dir, adapter_dirs, weights), ids)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # and it is not just one of the two adapters
+    with use_adapter(policy, "a"):
+        assert (logits(policy.model, ids) - got).abs().max() > 1e-3
+
+
+def test_base_weights_bit_identical_after_exit_and_after_exception(policy, ids):
+    before = base_weights(policy.model)
+    with use_adapter(policy, "a"):
+        ref_a = logits(policy.model, ids)
+    ref_base = base_logits(policy, ids)
+    with merged_adapters(policy.model, {"a": 0.5, "b": 0.5}):
+        inside = base_weights(policy.model)
+        assert not all(torch.equal(before[n], inside[n]) for n in before)
+    after = base_weights(policy.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with merged_adapters(policy.model, {"a": 0.3, "b": 1.2}):
+            raise RuntimeError("boom")
+    after = base_weights(policy.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    # adapters are back on, the base is the base again
+    with use_adapter(policy, "a"):
+        assert torch.equal(logits(policy.model, ids), ref_a)
+    assert torch.equal(base_logits(policy, ids), ref_base)
+
+
+def test_only_targeted_weights_change(policy):
+    before = base_weights(policy.model)
+    with merged_adapters(policy.model, {"b": 1.0}):  # b targets q, v, down only
+        inside = base_weights(policy.model)
+    changed = {n for n in before if not torch.equal(before[n], inside[n])}
+    assert changed and all(any(t in n for t in ("q_proj", "v_proj", "down_proj")) for n in changed)
+    assert len(changed) == 3 * 2  # 3 modules x 2 layers
+
+
+def test_merge_guards(policy):
+    with pytest.raises(ValueError, match="unknown adapter"):
+        with merged_adapters(policy.model, {"zzz": 1.0}):
+            pass
+    with merged_adapters(policy.model, {"a": 0.5}):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with merged_adapters(policy.model, {"b": 0.5}):
+                pass
+        with pytest.raises(RuntimeError, match="merge already replaced"):
+            with use_adapter(policy, "b"):
+                pass
+        with pytest.raises(RuntimeError, match="merged model"):
+            label_probabilities(policy, None, ["Answer:"], route_labels(1))
+    assert not is_merged(policy.model)
+
+
+def test_use_adapter_restores_previous_state(policy):
+    policy.set_adapter("b")
+    with use_adapter(policy, "a"):
+        assert policy.adapter == "a" and policy.model.active_adapter == "a"
+        with use_adapter(policy, None):
+            assert policy.adapter is None and policy.policy_id == "tiny"
+        assert policy.adapter == "a"
+    assert policy.adapter == "b" and policy.model.active_adapter == "b"
+    policy.set_adapter(None)
+
+
+def test_policy_generation_under_routes(policy):
+    convs = [[Message(role="system", content="You are a retail agent. " * 6),
+              Message(role="user", content=f"Where is my order #W{i}?")] for i in range(2)]
+
+    def gen():
+        return [g.text for g in policy.generate(convs, [], temperature=0.0, max_new_tokens=6, seed=0)]
+
+    base = gen()  # fills the prefix cache for the base model
+    with use_adapter(policy, "a"):
+        with_a = gen()
+    with use_weights(policy, {"a": 1.0}):
+        assert policy.adapter == merge_label({"a": 1.0}) and policy.policy_id == "tiny+merge[a=1]"
+        assert gen() == with_a  # the merge's own prefix KV, not the cached base one
+    assert policy.adapter is None and gen() == base
+    decision = RouteDecision(mode="top_p", candidates=["a", "b"], labels=[" A", " B", " C"],
+                             probs=[0.5, 0.3, 0.2], weights={"a": 0.5, "b": 0.3})
+    with apply_route(policy, decision):
+        assert policy.adapter == "merge[a=0.5,b=0.3]"
+    with apply_route(policy, {"a": 1.0}):
+        assert policy.adapter == "a"
+    with apply_route(policy, {}):
+        assert policy.adapter is None
+    assert policy.adapter is None and gen() == base
