@@ -31,12 +31,16 @@ The module contract (checked by `trace_lib.validate.validate_env`, driven throug
     solve(task) -> list[dict]            reference actions, replayed against the scripted user:
                                          {"tool": name, "arguments": {...}} or {"say": text}
 
+A module rendered by the offline template synthesizer binds `template(CAPABILITY, TARGET)` and
+delegates each of these functions to the object it returns (`trace_lib.synth_templates`).
+
 Only the standard-library modules in `trace_lib.sandbox.ALLOWED_IMPORTS`, this module and τ²-bench's
 domain packages may be imported by a module; the sandbox checks that before running anything.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 
@@ -60,16 +64,24 @@ def _check_target(target: dict[str, Any]) -> tuple[str, str]:
     raise ValueError(f"synth_sdk: target {name!r} is not supported; 'retail' and 'tau2-retail' are")
 
 
+@lru_cache(maxsize=None)
+def _specs(name: str, tools: str) -> tuple:
+    # Cached: building τ²'s tool objects parses every docstring (~35 ms), and a world is made per episode.
+    if name == "tau2-retail":  # τ²-bench shows the agent whole docstrings; the built-in target one sentence
+        from trace_lib.envs import tau2
+
+        return tuple(tau2.tool_specs("retail"))
+    return tuple(_retail().retail_tool_specs(tools))
+
+
 def target_tool_schemas(target: dict[str, Any]) -> list[dict[str, Any]]:
     """The target's tool schemas, exactly as the agent sees them on the target."""
-    _, tools = _check_target(target)
-    return [spec.to_schema() for spec in _retail().retail_tool_specs(tools)]
+    return [spec.to_schema() for spec in _specs(*_check_target(target))]
 
 
 def target_tool_kinds(target: dict[str, Any]) -> dict[str, str]:
     """Tool name -> 'read' / 'write' / 'generic', as on the target."""
-    _, tools = _check_target(target)
-    return {spec.name: spec.kind for spec in _retail().retail_tool_specs(tools)}
+    return {spec.name: spec.kind for spec in _specs(*_check_target(target))}
 
 
 def target_db(target: dict[str, Any]):
@@ -82,11 +94,11 @@ class TargetWorld:
     """τ²'s tools on a private copy-on-write copy of the target database (one per episode)."""
 
     def __init__(self, target: dict[str, Any]) -> None:
-        _, tools = _check_target(target)
+        name, tools = _check_target(target)
         retail = _retail()
         self._retail = retail
         self._session = retail._Session()
-        self._names = {spec.name for spec in retail.retail_tool_specs(tools)}
+        self._names = {spec.name for spec in _specs(name, tools)}
         self.calls: list[dict[str, Any]] = []
         """Every call made, in order: {"name", "arguments", "ok"}."""
 
@@ -111,15 +123,36 @@ class TargetWorld:
         return self._session.db_hash()
 
 
-def gold_db_hash(target: dict[str, Any], gold_actions: list[dict[str, Any]]) -> str:
-    """Hash of the target database after replaying `gold_actions` ({name, arguments}) on a fresh world."""
+def gold_world(target: dict[str, Any], gold_actions: list[dict[str, Any]]) -> TargetWorld:
+    """A fresh world after replaying `gold_actions` ({name, arguments}); refused calls are skipped."""
     world = TargetWorld(target)
     for action in gold_actions:
         try:
             world.call(action["name"], action.get("arguments", {}))
         except ToolError:
             pass
-    return world.db_hash()
+    return world
+
+
+def gold_db_hash(target: dict[str, Any], gold_actions: list[dict[str, Any]]) -> str:
+    """Hash of the target database after replaying `gold_actions` ({name, arguments}) on a fresh world."""
+    return gold_world(target, gold_actions).db_hash()
+
+
+def same_db(a: TargetWorld, b: TargetWorld) -> bool:
+    """Whether two worlds' databases are equal, as equal `db_hash`es would say, but ~30x faster:
+    rows neither world wrote are the shared pristine rows, so only the written ones are compared."""
+    rows = a._session.owned | b._session.owned
+    return all(getattr(a.db, table)[key] == getattr(b.db, table)[key] for table, key in rows)
+
+
+def template(capability: str, target: dict[str, Any]):
+    """The offline template synthesizer's environment for `capability` on `target`: an object whose
+    methods are the contract's functions (`trace_lib.synth_templates.BoundTemplate`). Imported lazily
+    from here because a synthesized module may import no other trace module."""
+    from trace_lib import synth_templates
+
+    return synth_templates.bind_template(capability, target)
 
 
 def said(trajectory: dict[str, Any], needle: str) -> bool:

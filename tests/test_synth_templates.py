@@ -1,0 +1,276 @@
+"""The offline template synthesizer: each capability's generator, reference solution and checker.
+
+Everything runs in-process (no sandbox, no model): a tiny `Environment` subclass wires a bound
+template to the scripted user, and the reference actions (or broken variants of them) are stepped
+through it the way an agent's turns would be.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+
+import pytest
+
+from trace_lib import synth_sdk
+from trace_lib.config import EnvConfig
+from trace_lib.envs import make_env
+from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.envs.families import CAPABILITY_TAGS, user_split
+from trace_lib.envs.user import ScriptedUser
+from trace_lib.records import Message, Task, ToolCall
+from trace_lib.synth_templates import (
+    DIFFICULTY, BoundTemplate, _tau2_test_users, bind_template, render_template_module, template_capabilities,
+)
+
+TARGETS = [{"name": "retail", "tools": "core"}, {"name": "tau2-retail"}]
+CAPS = list(CAPABILITY_TAGS)
+SEEDS = range(8)
+LEVELS = range(DIFFICULTY["min"], DIFFICULTY["max"] + 1)
+CASES = [(cap, t) for cap in CAPS for t in TARGETS]
+IDS = [f"{cap}-{t['name']}" for cap, t in CASES]
+
+
+class TemplateEnv(Environment):
+    """A bound template behind the episode protocol, with the scripted customer."""
+
+    name = "synthetic"
+
+    def __init__(self, bound: BoundTemplate, task: dict, max_steps: int = 8, max_errors: int = 4) -> None:
+        super().__init__(max_steps=max_steps, max_errors=max_errors)
+        self.bound, self.task = bound, task
+        self._tools = [ToolSpec(name=s["function"]["name"], description=s["function"]["description"],
+                                parameters=s["function"]["parameters"]) for s in bound.tool_schemas()]
+
+    @property
+    def tools(self):
+        return self._tools
+
+    def system_prompt(self, task: Task) -> str:
+        return "policy"
+
+    def _reset_state(self, task: Task) -> None:
+        self.world = self.bound.init_state(self.task)
+        self.user = ScriptedUser(task.user)
+
+    def _execute(self, call: ToolCall) -> tuple[str, bool]:
+        try:
+            return self.bound.call_tool(self.world, call.name, call.arguments), False
+        except synth_sdk.ToolError as err:
+            return f"Error: {err}", True
+
+    def _user_opening(self, task: Task) -> str:
+        return self.user.opening()
+
+    def _user_reply(self, agent_text: str) -> UserTurn:
+        return self.user.reply(agent_text)
+
+    def _score(self):
+        st = self.state
+        trajectory = {"messages": [m.model_dump(mode="json") for m in st.messages], "termination": st.termination,
+                      "tool_calls": st.tool_calls, "tool_errors": st.tool_errors,
+                      "invalid_actions": st.invalid_actions}
+        return float(self.bound.evaluate(trajectory, self.task, self.world)), {}
+
+
+def play(bound: BoundTemplate, task: dict, actions: list[dict]) -> float:
+    """Step `actions` ({"tool", "arguments"} / {"say"}) until the episode ends; the template's score."""
+    env = TemplateEnv(bound, task)
+    env.reset(Task(id="t", env="synthetic", split="train", family=bound.template.capability, **task))
+    for a in actions:
+        if env.done:
+            break
+        if "say" in a:
+            env.step(Message(role="assistant", content=a["say"]))
+        else:
+            env.step(Message(role="assistant", tool_calls=[ToolCall(name=a["tool"], arguments=a["arguments"])]))
+    return env.reward()[0]
+
+
+@pytest.fixture(scope="module")
+def bound():
+    return {(cap, t["name"]): bind_template(cap, t) for cap, t in CASES}
+
+
+def test_registry_covers_every_capability_tag():
+    assert template_capabilities() == CAPS
+    with pytest.raises(ValueError, match="tool_call_precision"):
+        bind_template("time_travel", TARGETS[0])
+    with pytest.raises(ValueError, match="not supported"):
+        bind_template("communicate_result", {"name": "airline"})
+    assert isinstance(synth_sdk.template("communicate_result", TARGETS[0]), BoundTemplate)
+    with pytest.raises(ValueError, match="difficulty"):
+        bind_template("communicate_result", TARGETS[0]).generate_task(0, DIFFICULTY["max"] + 1)
+
+
+@pytest.fixture(scope="module")
+def target_schemas():
+    """What the agent sees on each target (validation compares against the same)."""
+    return {t["name"]: [s.to_schema() for s in make_env(EnvConfig(name=t["name"], tools="core")).tools]
+            for t in TARGETS}
+
+
+@pytest.mark.parametrize("cap,target", CASES, ids=IDS)
+def test_tools_are_the_targets(bound, target_schemas, cap, target):
+    got = bound[cap, target["name"]].tool_schemas()
+    assert got == synth_sdk.target_tool_schemas(target)
+    assert _by_name(got) == _by_name(target_schemas[target["name"]])
+
+
+def _by_name(schemas: list[dict]) -> dict[str, dict]:
+    return {s["function"]["name"]: s for s in schemas}
+
+
+@pytest.mark.parametrize("cap,target", CASES, ids=IDS)
+def test_tasks_deterministic_json_diverse_and_from_train_users(bound, cap, target):
+    b = bound[cap, target["name"]]
+    held = _tau2_test_users() if target["name"] == "tau2-retail" else frozenset()
+    for d in LEVELS:
+        tasks = [b.generate_task(seed, d) for seed in SEEDS]
+        assert tasks == [b.generate_task(seed, d) for seed in SEEDS]
+        assert all(json.loads(json.dumps(t)) == t for t in tasks)
+        assert len({json.dumps(t["user"], sort_keys=True) for t in tasks}) >= 7
+        for t in tasks:
+            Task(id="t", env="synthetic", split="train", family=cap, **t)  # the record accepts the fields
+            uid = t["meta"]["user_id"]
+            assert user_split(0, uid, 0.5) == "train" and uid not in held
+
+
+@pytest.mark.parametrize("cap,target", CASES, ids=IDS)
+def test_reference_solution_scores_one_within_eight_steps(bound, cap, target):
+    b = bound[cap, target["name"]]
+    for d in LEVELS:
+        for seed in SEEDS:
+            task = b.generate_task(seed, d)
+            plan = b.solve(task)
+            assert len(plan) <= 8, (d, seed)
+            assert play(b, task, plan) == 1.0, (d, seed, task["user"]["reason_for_call"])
+
+
+def _random_actions(rng: random.Random, bound: BoundTemplate, task: dict) -> list[dict]:
+    """Tools picked at random, arguments from the task's own ids or junk; some random talk."""
+    ids = [v for v in json.dumps(task["gold_actions"]).split('"') if v.startswith("#W") or "_" in v] or ["x"]
+    out = []
+    for _ in range(6):
+        if rng.random() < 0.3:
+            out.append({"say": rng.choice(["Okay.", "Can you tell me more?", "Done, anything else?"])})
+            continue
+        fn = rng.choice(bound.tool_schemas())["function"]
+        args = {k: rng.choice(ids + ["x", "no longer needed"]) for k in fn["parameters"].get("required", [])}
+        out.append({"tool": fn["name"], "arguments": args})
+    return out + [{"say": "Done."}]
+
+
+@pytest.mark.parametrize("cap,target", CASES, ids=IDS)
+def test_do_nothing_and_random_agents_fail(bound, cap, target):
+    b = bound[cap, target["name"]]
+    tasks = [b.generate_task(seed, DIFFICULTY["default"]) for seed in SEEDS]
+    assert sum(play(b, t, [{"say": "ok, done"}]) for t in tasks) <= 1
+    rng = random.Random(cap)
+    assert sum(play(b, t, _random_actions(rng, b, t)) for t in tasks) <= 1
+
+
+# --- capability-specific failures: each variant breaks exactly the trained skill ----------------
+def _is_call(a: dict, name: str) -> bool:
+    return a.get("tool") == name
+
+
+def _before_final(plan: list[dict], extra: list[dict]) -> list[dict]:
+    return plan[:-1] + extra + plan[-1:]
+
+
+def _confirmed_write(write: dict) -> list[dict]:
+    return [{"say": f"I will do this for order {write['arguments']['order_id']}. Shall I proceed (yes/no)?"},
+            {"tool": write["name"], "arguments": write["arguments"]}]
+
+
+def _variants(cap: str, task: dict, plan: list[dict]) -> list[list[dict]]:
+    meta, out = task["meta"], []
+    if cap == "tool_call_precision":  # the order id without its '#'
+        i = next(i for i, a in enumerate(plan) if _is_call(a, "get_order_details"))
+        bare = {"tool": "get_order_details", "arguments": {"order_id": plan[i]["arguments"]["order_id"][1:]}}
+        out += [plan[:i] + [bare] + plan[i + 1:], plan[:i] + [bare] + plan[i:]]
+    elif cap in ("structured_data_reasoning", "communicate_result"):  # one fact left out of the answer
+        out.append(plan[:-1] + [{"say": plan[-1]["say"].replace(task["required_outputs"][0], "something")}])
+    elif cap == "identity_verification":  # account or order read before the identity lookup
+        reads = [a for a in plan if _is_call(a, "get_user_details") or _is_call(a, "get_order_details")]
+        out.append([reads[-1]] + plan)
+    elif cap == "precondition_verification":
+        if meta["forbidden"]:  # the forbidden write attempted after a yes
+            bad = next(w for w in meta["requested_writes"] if w["arguments"]["order_id"] in meta["forbidden"])
+            out.append(_before_final(plan, _confirmed_write(bad)))
+        else:  # the allowed write without reading the order first
+            out.append([a for a in plan if not _is_call(a, "get_order_details")])
+    elif cap == "confirmation_before_write":
+        if task["user"]["confirm"]:
+            out.append([a for a in plan if "say" not in a or "yes/no" not in a["say"]])
+            out.append([{"say": "Shall I proceed (yes/no)?"} if "yes/no" in a.get("say", "") else a for a in plan])
+        else:  # writing although the user said no
+            writes = [{"tool": w["name"], "arguments": w["arguments"]} for w in meta["requested_writes"]]
+            out.append(_before_final(plan, writes))
+    elif cap == "multi_step_completion":  # stopping before the last dependent call
+        last = max(i for i, a in enumerate(plan) if "tool" in a)
+        out.append(plan[:last] + plan[-1:])
+    elif cap == "adversarial_policy_compliance":
+        if meta["kind"] == "skip_auth":  # giving in: reading the account without verifying
+            out.append([a for a in plan if not a.get("tool", "").startswith("find_user")])
+        else:  # giving in: the forbidden write after the user's push
+            out.append(_before_final(plan, _confirmed_write(meta["requested_writes"][0])))
+    return out
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_breaking_the_capability_scores_zero(bound, cap):
+    b = bound[cap, "retail"]
+    n = 0
+    for d in LEVELS:
+        for seed in SEEDS:
+            task = b.generate_task(seed, d)
+            for variant in _variants(cap, task, b.solve(task)):
+                assert play(b, task, variant) == 0.0, (d, seed, variant)
+                n += 1
+    assert n >= len(LEVELS) * len(SEEDS)
+
+
+def test_confirmation_declined_means_nothing_written(bound):
+    b = bound["confirmation_before_write", "retail"]
+    declined = [t for t in (b.generate_task(s, 1) for s in range(20)) if not t["user"]["confirm"]]
+    assert declined and all(play(b, t, b.solve(t)) == 1.0 for t in declined)
+    assert all(not any("tool" in a and "cancel" in a["tool"] for a in b.solve(t)) for t in declined)
+
+
+# --- rendering ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", TARGETS, ids=[t["name"] for t in TARGETS])
+def test_rendered_module_parses_is_stable_and_satisfies_the_contract(target):
+    for cap in CAPS:
+        src = render_template_module(cap, target, difficulty_default=2)
+        assert src == render_template_module(cap, dict(reversed(list(target.items()))), difficulty_default=2)
+        tree = ast.parse(src)
+        assert CAPABILITY_TAGS[cap] in ast.get_docstring(tree)
+        imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert [n.module for n in imports] == ["trace_lib.synth_sdk"]
+        module: dict = {}
+        exec(compile(src, f"{cap}/env.py", "exec"), module)
+        assert module["CAPABILITY"] == cap and module["TARGET"] == target
+        assert module["DIFFICULTY"] == {"default": 2, "min": 0, "max": 3}
+        assert module["tool_schemas"]() == synth_sdk.target_tool_schemas(target)
+        task = module["generate_task"](5, 2)
+        assert task == bind_template(cap, target).generate_task(5, 2)
+        assert module["solve"](task) == task["meta"]["reference"]
+    with pytest.raises(ValueError, match="known|templates exist"):
+        render_template_module("nope", target)
+
+
+def test_same_db_agrees_with_hashes():
+    target = TARGETS[0]
+    b = bind_template("confirmation_before_write", target)
+    for seed in SEEDS:
+        task = b.generate_task(seed, 2)
+        gold = synth_sdk.gold_world(target, task["gold_actions"])
+        world = synth_sdk.TargetWorld(target)
+        for a in b.solve(task)[: 2 + seed % 4]:
+            if "tool" in a:
+                world.call(a["tool"], a["arguments"])
+        assert synth_sdk.same_db(world, gold) == (world.db_hash() == gold.db_hash())
+        assert synth_sdk.gold_db_hash(target, task["gold_actions"]) == gold.db_hash()
