@@ -160,6 +160,9 @@ class SyntheticEnvManifest(Record):
     validation: dict[str, Any] = Field(default_factory=dict)
     difficulty: dict[str, Any] = Field(default_factory=dict)
     valid: bool
+    reason: str = ""
+    """Why no environment was installed (empty when valid)."""
+    attempts: int = 0
 
 
 class AdapterManifest(Record):

@@ -1,0 +1,110 @@
+"""The synthesize stage: template and LLM synthesizers, attempts and verdicts kept, only valid modules installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_llm import FakeMessagesAPI, _message
+
+from trace_lib.config import params_from_dict
+from trace_lib.io import read_json, write_jsonl
+from trace_lib.llm import LLMClient
+from trace_lib.records import Capability
+from trace_lib.synthesize import (
+    extract_module,
+    feedback_message,
+    resolve_synth_backend,
+    run_synthesize,
+    synthesize_env,
+    valid_envs,
+)
+
+FIXTURES = Path(__file__).parent / "synth_fixtures"
+GOOD = (FIXTURES / "good_lookup.py").read_text()
+
+
+def _params(**synth):
+    return params_from_dict({"analyst": {"backend": "rules"}, "synthesize": synth})
+
+
+def _cap(cid: str) -> Capability:
+    return Capability(id=cid, name=cid.replace("_", " "), description=f"the {cid} skill", evidence=[])
+
+
+def test_template_stage_installs_valid_envs_and_records_the_rest(tmp_path):
+    write_jsonl(tmp_path / "data/score/kept.jsonl", [_cap("communicate_result"), _cap("say_hello")])
+    metrics = run_synthesize(_params(), tmp_path)
+    assert metrics["backend"] == "template" and metrics["kept"] == 2 and metrics["valid"] == 1
+    assert metrics["envs"]["communicate_result"]["valid"]
+    assert "no template for 'say_hello'" in metrics["envs"]["say_hello"]["reason"]
+    env_py = tmp_path / "data/envs/communicate_result/env.py"
+    assert env_py.is_file() and not (tmp_path / "data/envs/say_hello/env.py").exists()
+    verdict = read_json(tmp_path / "data/envs/communicate_result/attempts/01.json")
+    assert verdict["valid"] and [c["name"] for c in verdict["checks"]][:4] == ["static", "loads", "contract", "interface"]
+    (installed,) = valid_envs(tmp_path)
+    assert installed.path == "data/envs/communicate_result/env.py" and installed.attempts == 1
+    env_py.write_text(env_py.read_text() + "\n# edited after validation\n")
+    with pytest.raises(RuntimeError, match="sha256 mismatch"):
+        valid_envs(tmp_path)
+
+
+def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):
+    params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "tau2-airline"}})
+    manifest = synthesize_env(_cap("communicate_result"), "template", params, tmp_path)
+    assert not manifest.valid and "not 'tau2-airline'" in manifest.reason
+
+
+def test_llm_synthesizer_feeds_validation_errors_back_until_valid(tmp_path):
+    bad = "import os\n" + GOOD
+    replies = [(200, _message(f"Here it is:\n```python\n{bad}```")), (200, _message(f"```python\n{GOOD}```"))]
+    params = _params(backend="anthropic", max_attempts=3)
+    with FakeMessagesAPI(replies) as api:
+        client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
+                           base_url=api.url, api_key="k", max_retries=0)
+        manifest = synthesize_env(_cap("communicate_result"), "anthropic", params, tmp_path, client=client)
+    assert manifest.valid and manifest.attempts == 2 and manifest.source == "anthropic"
+    first = read_json(tmp_path / "data/envs/communicate_result/attempts/01.json")
+    assert not first["valid"] and first["failed"] == "static"
+    feedback = api.requests[1]["messages"][-1]["content"]
+    assert "rejected by validation" in feedback and "static" in feedback and "'os'" in feedback
+    assert "communicate_result" in api.requests[0]["system"][0]["text"]
+    assert (tmp_path / "data/envs/communicate_result/env.py").read_text() == GOOD.strip() + "\n"
+
+
+def test_llm_synthesizer_gives_up_after_max_attempts_with_the_reason(tmp_path):
+    broken = "```python\ndef generate_task(:\n```"
+    params = _params(backend="anthropic", max_attempts=2)
+    with FakeMessagesAPI([(200, _message(broken))]) as api:
+        client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
+                           base_url=api.url, api_key="k", max_retries=0)
+        manifest = synthesize_env(_cap("communicate_result"), "anthropic", params, tmp_path, client=client)
+    assert not manifest.valid and manifest.attempts == 2 and "static" in manifest.reason
+    assert len(api.requests) == 2 and not (tmp_path / "data/envs/communicate_result/env.py").exists()
+    assert sorted(p.name for p in (tmp_path / "data/envs/communicate_result/attempts").iterdir()) == [
+        "01.json", "01.py", "02.json", "02.py"]
+
+
+def test_extract_module_and_feedback():
+    assert extract_module("text\n```python\nx = 1\n```\nmore") == "x = 1\n"
+    assert extract_module("x = 2") == "x = 2\n"
+    report = {"checks": [{"name": "static", "ok": True, "detail": ""},
+                         {"name": "interface", "ok": False, "detail": "missing 'order_id'"}]}
+    assert "- interface: missing 'order_id'" in feedback_message(report)
+    assert "static" not in feedback_message(report)
+
+
+def test_auto_backend_follows_the_analyst(monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    assert resolve_synth_backend(_params().synthesize, "auto") == "template"
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
+    assert resolve_synth_backend(_params().synthesize, "auto") == "anthropic"
+    assert resolve_synth_backend(_params(backend="template").synthesize, "anthropic") == "template"
+
+
+def test_no_kept_capabilities_is_a_clear_empty_result(tmp_path):
+    write_jsonl(tmp_path / "data/score/kept.jsonl", [])
+    metrics = run_synthesize(_params(), tmp_path)
+    assert metrics["valid"] == 0 and "nothing to synthesize" in metrics["note"]
+    assert json.loads((tmp_path / "reports/metrics/synthesize.json").read_text())["kept"] == 0
