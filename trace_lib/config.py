@@ -238,6 +238,8 @@ class TrainConfig(Section):
 
     backend: Literal["auto", "trl", "unsloth"] = "auto"
     """'auto': unsloth when CUDA is available and unsloth imports, else TRL on CPU/GPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Base weights while training ('auto': bfloat16 on CUDA, float32 on CPU); LoRA weights stay float32."""
     lora_rank: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -272,6 +274,60 @@ class TrainConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
+    threads: int = Field(0, ge=0)
+    """torch CPU threads (0: leave torch's default). On a shared 2-core machine use 1: two OpenMP
+    threads competing with another process made decoding ~100x slower."""
+
+
+MethodName = Literal["base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route", "trace"]
+METHODS: tuple[str, ...] = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route",
+                            "trace")
+class EvaluateConfig(Section):
+    """Router + adapters on the held-out split; baselines at equal rollout budget (stage `evaluate`, paper §4)."""
+
+    split: str = "test"
+    """Target tasks: 'test' (held out), 'train', or 'all' (τ² envs: their full 'base' task set, as the paper)."""
+    envs: list[str] = Field(default_factory=list)
+    """Target environments to evaluate (empty: just `env.name`), e.g. ['tau2-retail', 'tau2-airline'];
+    each uses the `env` section with its name replaced."""
+    max_tasks: int | None = Field(None, ge=1)
+    """Cap on tasks per environment (None: the whole split)."""
+    samples_per_task: int = Field(1, ge=1)
+    """Episodes per task and method (the paper: one trial)."""
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy, as the paper, so methods differ only by their weights. The base rollouts that fed
+    discovery sample (rollout.temperature) for diverse failures; evaluation wants the model's answer."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Tokens per agent turn (None: rollout.max_new_tokens, the budget the base agent was rolled out with)."""
+    batch_size: int | None = Field(None, ge=1)
+    """Episodes decoded together, and routing prompts scored together (None: rollout.batch_size)."""
+    route_mode: Literal["argmax", "top_p", "both"] = "both"
+    """TRACE rows: 'argmax' (one adapter or none), 'top_p' (α-weighted merge of the top-p labels), or both."""
+    top_p: float = Field(0.9, gt=0, le=1)
+    """Probability mass the top-p router keeps (the none-label's share stays with the base model)."""
+    retrieval_k: int | None = Field(None, ge=1)
+    """Candidates offered per task: the capabilities of the k most similar openings of synthetic training
+    tasks (MiniLM embeddings); None: every capability. With retrieval on, a capability without a
+    synthetic environment is never offered."""
+    interference_seeds: int = Field(4, ge=0)
+    """Synthetic-env tasks per capability for the interference matrix (each adapter and the base on
+    each capability's env); 0 skips it."""
+    methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))
+    """Methods to run (others are reported as 'not run'): base, grpo_target, gepa, merged_data,
+    linear_merge, single, oracle_route, trace."""
+    n_boot: int = Field(2000, ge=0)
+    """Bootstrap resamples for the intervals and the paired differences."""
+    ci_level: float = Field(0.95, gt=0, lt=1)
+    """Confidence level of the intervals."""
+    seed: int = 0
+    """Seed of the episodes' sampling (moot at temperature 0), the bootstrap and the random router."""
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> EvaluateConfig:
+        if self.samples_per_task > 1 and self.temperature == 0:
+            raise ValueError("samples_per_task > 1 at temperature 0 repeats identical greedy episodes; "
+                             "set evaluate.temperature > 0 or samples_per_task: 1")
+        return self
 
 
 class Params(Section):
@@ -287,6 +343,7 @@ class Params(Section):
     score: ScoreConfig = Field(default_factory=ScoreConfig)
     synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
 
 
 # Values a profile sets when params.yaml does not; the file always wins.

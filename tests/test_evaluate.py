@@ -1,0 +1,314 @@
+"""Evaluate stage: routed evaluation with real LoRA weights (tiny model), routing quality, tables, budgets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from toy import KVEnv, kv_task
+from trace_lib.budget import RolloutLedger
+from trace_lib.compose import merge_label
+from trace_lib.config import Params, RolloutConfig
+from trace_lib.eval_gepa import RULES_REASON, gepa_status
+from trace_lib.eval_inputs import adapter_budget, find_adapters, ledger_path, trace_budget
+from trace_lib.eval_report import MethodRun, markdown, routing_table, summarize_runs, table1, table1_long
+from trace_lib.evaluate import (
+    EvaluateConfig, evaluate_policy, interference_matrix, oracle_decisions, route_all, route_groups,
+    routing_quality, with_top_p,
+)
+from trace_lib.io import write_json
+from trace_lib.policy import load_policy
+from trace_lib.records import AdapterManifest, Message, Task, Trajectory, UserScenario
+from trace_lib.route import RouteCandidate, RouteDecision
+
+CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
+
+
+def save_lora(model_dir, out, seed: int, targets: list[str]):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():  # noise on B as well: the adapter really changes the outputs
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_loras")
+    return {"a": save_lora(tiny_model_dir, root / "a", 1, ["q_proj", "v_proj", "down_proj"]),
+            "b": save_lora(tiny_model_dir, root / "b", 2, ["k_proj", "o_proj", "up_proj"])}
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir, lora_dirs):
+    return load_policy(tiny_model_dir, adapters={k: str(v) for k, v in lora_dirs.items()}, policy_id="tiny")
+
+
+def base_state(policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" not in n}
+
+
+def traj(task: str, success: bool, family: str = "f", sample: int = 0) -> Trajectory:
+    return Trajectory(id=f"{task}#{sample}", task_id=task, env="toy", family=family, split="test", policy_id="p",
+                      seed=0, sample=sample, messages=[Message(role="user", content="hi")], reward=float(success),
+                      success=success, termination="user_stop", tool_calls=1, invalid_actions=0, tool_errors=0,
+                      turns=2, prompt_tokens=0, completion_tokens=0)
+
+
+def tagged(i: int, tags: list[str]) -> Task:
+    return Task(id=f"t{i}", env="retail", split="test", family="f", instruction="i",
+                user=UserScenario(reason_for_call="r"), capability_tags=tags)
+
+
+# --- evaluate_policy ---------------------------------------------------------------------------------
+def test_evaluate_policy_labels_groups_and_restores_base(policy):
+    tasks = [kv_task(i) for i in range(4)]
+    before = base_state(policy)
+    base = evaluate_policy(policy, tasks, KVEnv, CFG, seed=0)
+    single = evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, routing="a")
+    merged = evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, routing={"a": 0.5, "b": 0.5})
+    assert [t.task_id for t in base] == [t.id for t in tasks]
+    assert {(t.adapter, t.policy_id) for t in base} == {(None, "tiny")}
+    assert {(t.adapter, t.policy_id) for t in single} == {("a", "tiny+a")}
+    label = merge_label({"a": 0.5, "b": 0.5})
+    assert label == "merge[a=0.5,b=0.5]" and {(t.adapter, t.policy_id) for t in merged} == {(label, f"tiny+{label}")}
+    assert [t.messages for t in single] != [t.messages for t in base]  # the adapter changes behaviour
+
+    decisions = [RouteDecision(task_id="toy/read/0", mode="argmax", candidates=["a", "b"], labels=[" A", " B", " C"],
+                               probs=[0.1, 0.2, 0.7], weights={}),
+                 RouteDecision(task_id="toy/read/1", mode="argmax", candidates=["a", "b"], labels=[" A", " B", " C"],
+                               probs=[0.6, 0.2, 0.2], weights={"a": 1.0}),
+                 RouteDecision(task_id="toy/read/2", mode="top_p", candidates=["a", "b"], labels=[" A", " B", " C"],
+                               probs=[0.4, 0.4, 0.2], weights={"a": 0.5, "b": 0.5}),
+                 RouteDecision(task_id="toy/read/3", mode="argmax", candidates=["a", "b"], labels=[" A", " B", " C"],
+                               probs=[0.2, 0.2, 0.6], weights={})]
+    groups = route_groups(tasks, decisions)
+    assert [(w, [t.id for t in ts]) for w, ts in groups] == [
+        ({}, ["toy/read/0", "toy/read/3"]), ({"a": 1.0}, ["toy/read/1"]), ({"a": 0.5, "b": 0.5}, ["toy/read/2"])]
+    routed = evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, routing=decisions)
+    assert [t.adapter for t in routed] == [None, "a", label, None]
+    # each task ran exactly as under its group's weights alone (greedy decoding)
+    assert routed[0].messages == base[0].messages and routed[3].messages == base[3].messages
+    assert routed[1].messages == single[1].messages and routed[2].messages == merged[2].messages
+    # a {task id: weights} dict routes the same way
+    as_dict = evaluate_policy(policy, tasks[:2], KVEnv, CFG, seed=0, routing={"toy/read/0": {}, "toy/read/1": {"a": 1}})
+    assert [t.adapter for t in as_dict] == [None, "a"]
+
+    after = base_state(policy)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # bit-identical base weights
+    assert policy.adapter is None and not getattr(policy.model, "_trace_merged", False)
+    with pytest.raises(ValueError, match="no routing decision for task 'toy/read/3'"):
+        evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, routing=decisions[:3])
+
+
+def test_route_all_scores_label_tokens_and_none_routes_to_base(policy):
+    tasks = [kv_task(i) for i in range(3)]
+    cands = [RouteCandidate(capability_id="a", description="looks values up"),
+             RouteCandidate(capability_id="b", description="writes values")]
+    ds = route_all(policy, tasks, cands, EvaluateConfig(batch_size=2), KVEnv)
+    assert [d.task_id for d in ds] == [t.id for t in tasks]
+    for d in ds:
+        assert d.candidates == ["a", "b"] and len(d.probs) == 3 and sum(d.probs) == pytest.approx(1.0, abs=1e-9)
+        best = max(range(3), key=lambda i: d.probs[i])
+        assert d.weights == ({} if best == 2 else {d.candidates[best]: 1.0})  # the none-label means base
+    tp = with_top_p(ds, 1.0)
+    assert all(t.mode == "top_p" and t.probs == d.probs for t, d in zip(tp, ds, strict=True))
+    assert all(sum(t.weights.values()) == pytest.approx(1 - t.probs[-1]) for t in tp)
+    forced_none = ds[0].model_copy(update={"probs": [0.1, 0.1, 0.8]})
+    assert with_top_p([forced_none], 0.5)[0].weights == {}  # none alone reaches p: the base model
+
+
+def test_interference_matrix_long_form(policy):
+    envs = {"e1": (KVEnv, [kv_task(1)]), "e2": (KVEnv, [kv_task(2), kv_task(3)])}
+    rows = interference_matrix(policy, ["a", "b"], envs, CFG, seed=0)
+    assert [(r["adapter"], r["env"], r["n"]) for r in rows] == [
+        ("base", "e1", 1), ("base", "e2", 2), ("a", "e1", 1), ("a", "e2", 2), ("b", "e1", 1), ("b", "e2", 2)]
+    assert all(0 <= r["success_rate"] <= 1 for r in rows)
+
+
+# --- routing quality ---------------------------------------------------------------------------------
+def test_routing_quality_on_constructed_decisions():
+    adapters = ["precondition_verification", "structured_data_reasoning"]
+    tasks = [tagged(0, ["precondition_verification", "tool_call_precision"]),
+             tagged(1, ["structured_data_reasoning"]),
+             tagged(2, ["communicate_result"]),  # no adapter for its tags: the oracle says none
+             tagged(3, [])]  # untagged: not scored
+    labels = [" A", " B", " C"]
+
+    def dec(i, probs):
+        return RouteDecision(task_id=f"t{i}", mode="argmax", candidates=adapters, labels=labels, probs=probs,
+                             label_mass=0.5)
+
+    ds = [dec(0, [0.7, 0.2, 0.1]), dec(1, [0.6, 0.3, 0.1]), dec(2, [0.1, 0.1, 0.8]), dec(3, [0.1, 0.1, 0.8])]
+    q = routing_quality(ds, tasks, adapters, seed=0)
+    assert q["tasks"] == 4 and q["scored"] == 3 and q["labels"] == [*adapters, "none"]
+    assert q["confusion"]["precondition_verification"]["precondition_verification"] == 1
+    assert q["confusion"]["structured_data_reasoning"]["precondition_verification"] == 1
+    assert q["confusion"]["none"]["none"] == 1
+    assert q["router_accuracy"] == pytest.approx(2 / 3) and q["random_expected"] == pytest.approx(1 / 3)
+    assert q["random_accuracy"] == routing_quality(ds, tasks, adapters, seed=0)["random_accuracy"]
+    assert q["none_share"] == 0.5 and q["mean_label_mass"] == 0.5 and q["note"] == ""
+    none = routing_quality(ds[3:], tasks[3:], adapters)
+    assert none["scored"] == 0 and none["router_accuracy"] is None and "no task carries" in none["note"]
+    assert oracle_decisions(tasks, adapters) == {"t0": {"precondition_verification": 1.0},
+                                                 "t1": {"structured_data_reasoning": 1.0}, "t2": {}, "t3": {}}
+
+
+# --- tables and budgets ------------------------------------------------------------------------------
+def _runs() -> list[MethodRun]:
+    def outcomes(pattern: str) -> list[Trajectory]:
+        return [traj(f"t{i}", c == "1", family="x" if i % 2 else "y") for i, c in enumerate(pattern)]
+
+    return [
+        MethodRun("base", "base", "base", outcomes("0000011111"), budget=0),
+        MethodRun("grpo_target", "grpo_target", "GRPO on target", outcomes("1000011111"), budget=660,
+                  budget_source="data/train/_baselines/grpo_target/rollouts.jsonl"),
+        MethodRun("gepa", "gepa", "GEPA (system prompt)", None, reason=RULES_REASON),
+        MethodRun("merged_data", "merged_data", "merged data (one adapter)", None, reason="no adapter at x"),
+        MethodRun("linear_merge", "linear_merge", "linear merge (α = 1/n)", outcomes("1100011111"), budget=660),
+        MethodRun("single", "single_a", "single: a", outcomes("1110011111"), budget=300),
+        MethodRun("single", "single_b", "single: b", outcomes("0000001111"), budget=340),
+        MethodRun("oracle_route", "oracle_route", "oracle routing", outcomes("1111011111"), budget=660),
+        MethodRun("trace", "trace_argmax", "TRACE (argmax)", outcomes("1111111111"), budget=660),
+        MethodRun("trace", "trace_top_p", "TRACE (top-p)", None, reason="evaluate.route_mode is 'argmax'"),
+    ]
+
+
+def test_table1_renders_not_run_rows_budget_and_best_single():
+    runs = _runs()
+    summarize_runs(runs, n_boot=200, seed=0)
+    df = table1(runs, ["y", "x"], trace_total=660)
+    assert list(df.columns) == ["method", "y", "x", "overall", "rollouts", "budget vs TRACE", "note"]
+    assert list(df["method"]) == ["base", "GRPO on target", "GEPA (system prompt)", "merged data (one adapter)",
+                                  "linear merge (α = 1/n)", "single-capability (best: a)", "single: a", "single: b",
+                                  "TRACE (argmax)", "TRACE (top-p)"]
+    rows = df.set_index("method")
+    gepa = rows.loc["GEPA (system prompt)"]
+    assert (gepa[["y", "x", "overall"]] == "not run").all() and gepa["note"] == f"not run: {RULES_REASON}"
+    assert gepa["rollouts"] == "—" and rows.loc["TRACE (top-p)"]["note"].startswith("not run: evaluate.route_mode")
+    assert rows.loc["base", "overall"].startswith("50.0 [")
+    assert rows.loc["TRACE (argmax)", "overall"] == "100.0 [100.0, 100.0]"
+    assert rows.loc["GRPO on target", "rollouts"] == "660" and rows.loc["GRPO on target", "budget vs TRACE"] == "1.00×"
+    assert rows.loc["single: b", "budget vs TRACE"] == "0.52×" and rows.loc["base", "budget vs TRACE"] == "0.00×"
+    assert "chosen on this split" in rows.loc["single-capability (best: a)", "note"]
+    md = markdown(df)
+    assert md.splitlines()[0].startswith("| method | y | x | overall | rollouts |")
+    assert f"| not run: {RULES_REASON} |" in md and md.count("\n") == len(df) + 2
+    long = table1_long(runs, ["y", "x"])
+    assert len(long) == 3 * len(df) and set(long["status"]) == {"run", "not run"}
+    assert long.query("key == 'trace_argmax' and column == 'overall'")["success_rate"].item() == 1.0
+    routing = routing_table(runs, 660).set_index("method")
+    assert list(routing.index) == ["TRACE (argmax)", "TRACE (top-p)", "oracle routing", "linear merge (α = 1/n)",
+                                   "merged data (one adapter)", "single-capability (best: a)"]
+    assert routing.loc["TRACE (argmax)", "Δ vs base (pp)"].startswith("+50.0 [")
+    assert float(routing.loc["TRACE (argmax)", "McNemar p"]) == pytest.approx(2 / 2**5)
+
+
+def _adapter(root, name, used, baseline=False):
+    folder = root / "data" / "adapters" / ("_baselines" if baseline else "") / name
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    write_json(folder / "manifest.json", AdapterManifest(
+        capability_id=name, path=str(folder), base_model="tiny", env_sha256="", backend="trl",
+        rollouts_used=used, iterations=1).model_dump(mode="json"))
+
+
+def test_baseline_row_at_equal_budget_from_ledgers(tmp_path):
+    _adapter(tmp_path, "a", 300)
+    _adapter(tmp_path, "b", 999)  # stale manifest number: the ledger wins
+    _adapter(tmp_path, "grpo_target", 0, baseline=True)
+    (tmp_path / "data" / "adapters" / ".a.ckpt").mkdir()  # checkpoints and temp folders are skipped
+    for name, rows in (("a", [160, 140]), ("b", [340])):
+        ledger = RolloutLedger(ledger_path(tmp_path, name))
+        for n in rows:
+            ledger.add("train", n, key=name)
+    RolloutLedger(tmp_path / "data" / "envs" / "rollouts.jsonl").add("band", 20, key="a")
+    RolloutLedger(ledger_path(tmp_path, "grpo_target", baseline=True)).add("train", 660, key="grpo_target")
+
+    caps, baselines = find_adapters(tmp_path)
+    assert sorted(caps) == ["a", "b"] and sorted(baselines) == ["grpo_target"]
+    assert adapter_budget(tmp_path, "a") == (300, "data/train/a/rollouts.jsonl")
+    budget = trace_budget(tmp_path, ["a", "b"])
+    assert budget == {"total": 660, "by_adapter": {"a": 300, "b": 340}, "synthesize": 20}
+    n, src = adapter_budget(tmp_path, "grpo_target", baseline=True)
+    assert (n, src) == (660, "data/train/_baselines/grpo_target/rollouts.jsonl")
+    ledger_path(tmp_path, "a").unlink()
+    assert adapter_budget(tmp_path, "a") == (300, "manifest")  # no ledger: the manifest's count
+
+    runs = [MethodRun("base", "base", "base", [traj("t0", False)], budget=0),
+            MethodRun("grpo_target", "grpo_target", "GRPO on target", [traj("t0", True)], budget=n, budget_source=src)]
+    summarize_runs(runs, n_boot=0)
+    row = table1(runs, ["f"], budget["total"]).set_index("method").loc["GRPO on target"]
+    assert (row["rollouts"], row["budget vs TRACE"]) == ("660", "1.00×")
+
+
+def test_gepa_row_reason(monkeypatch):
+    params = Params()
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    assert gepa_status(params) == RULES_REASON
+    anthropic = Params.model_validate({"analyst": {"backend": "anthropic"}})
+    assert "pip install gepa" in gepa_status(anthropic)  # gepa is not a dependency of the venv
+
+
+def test_evaluate_config_rejects_repeated_greedy_samples():
+    with pytest.raises(ValueError, match="identical greedy"):
+        EvaluateConfig(samples_per_task=2)
+    assert EvaluateConfig(samples_per_task=2, temperature=0.7).samples_per_task == 2
+    with pytest.raises(ValueError):
+        EvaluateConfig(methods=["base", "magic"])
+
+
+# --- the stage ---------------------------------------------------------------------------------------
+def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
+    """The whole stage on 2 retail test tasks with two (random) capability adapters and no synthetic envs."""
+    import shutil
+
+    from trace_lib.evaluate import run_evaluate
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    for cap, src in (("precondition_verification", "a"), ("structured_data_reasoning", "b")):
+        folder = tmp_path / "data" / "adapters" / cap
+        shutil.copytree(lora_dirs[src], folder)
+        write_json(folder / "manifest.json", AdapterManifest(
+            capability_id=cap, path=str(folder), base_model=tiny_model_dir.name, env_sha256="", backend="trl",
+            rollouts_used=8, iterations=1).model_dump(mode="json"))
+    params = Params.model_validate({
+        "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
+        "env": {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2},
+        "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
+        "evaluate": {"interference_seeds": 0, "n_boot": 100},
+    })
+    metrics = run_evaluate(params, tmp_path, progress=False)
+    methods = metrics["methods"]
+    ran = {k for k, v in methods.items() if v["status"] == "run"}
+    assert ran == {"base", "linear_merge", "single_best", "single_precondition_verification",
+                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p"}
+    assert methods["gepa"]["reason"] == RULES_REASON and "no adapter at" in methods["grpo_target"]["reason"]
+    assert methods["trace_argmax"]["rollouts"] == 16 and metrics["trace_budget"]["total"] == 16
+    assert metrics["routing"]["scored"] == 2 and metrics["tasks"] == 2
+    out = tmp_path / "data" / "evaluate"
+    base = [json.loads(x) for x in (out / "trajectories" / "base.jsonl").read_text().splitlines()]
+    assert len(base) == 2 and {b["adapter"] for b in base} == {None}
+    oracle = [json.loads(x) for x in (out / "trajectories" / "oracle_route.jsonl").read_text().splitlines()]
+    assert {o["task_id"].split("-")[0]: o["adapter"] for o in oracle} == {
+        "order_total": "structured_data_reasoning", "refuse_cancel": "precondition_verification"}
+    assert len((out / "routes" / "trace_top_p.jsonl").read_text().splitlines()) == 2
+    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in results} == ran - {"single_best"}
+    table = (tmp_path / "reports" / "tables" / "table1.md").read_text()
+    assert "| order_total | refuse_cancel | overall | rollouts | budget vs TRACE | note |" in table
+    assert f"not run: {RULES_REASON}" in table
+    for name in ("routing.md", "interference.md", "capabilities.md", "table1.csv"):
+        assert (tmp_path / "reports" / "tables" / name).is_file()
+    for name in ("evaluate_success.png", "evaluate_routing_confusion.png", "evaluate_interference.png"):
+        assert (tmp_path / "reports" / "figures" / name).is_file()
+    assert json.loads((tmp_path / "reports" / "metrics" / "evaluate.json").read_text())["tasks"] == 2
