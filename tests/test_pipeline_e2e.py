@@ -115,3 +115,36 @@ def test_dvc_repro_score_runs_discover_and_score(scratch_repo: Path):
 
     again = _run([str(BIN / "dvc"), "repro", "score"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
+
+
+def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
+    """`dvc repro train`: template environments for the kept capabilities, then one LoRA adapter each.
+
+    The tiny random model never succeeds, so `score.empty_rate: 0` lets capabilities be kept (ER+ = 0).
+    """
+    params_file = scratch_repo / "params.yaml"
+    params = yaml.safe_load(params_file.read_text())
+    params["analyst"]["backend"] = "rules"
+    params["score"]["empty_rate"] = 0.0
+    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "max_new_tokens": 8,
+                       "max_steps_per_episode": 2, "threads": 1}
+    params_file.write_text(yaml.safe_dump(params))
+    _run([str(BIN / "dvc"), "repro", "train"], scratch_repo)
+
+    synth = json.loads((scratch_repo / "reports/metrics/synthesize.json").read_text())
+    kept = [json.loads(line)["id"] for line in (scratch_repo / "data/score/kept.jsonl").read_text().splitlines()]
+    assert kept and synth["kept"] == len(kept) and synth["valid"] >= 1
+    installed = [c for c in kept if synth["envs"][c]["valid"]]
+    for cid in installed:
+        assert (scratch_repo / f"data/envs/{cid}/env.py").is_file()
+    train = json.loads((scratch_repo / "reports/metrics/train.json").read_text())
+    assert sorted(train["adapters"]) == sorted(installed)
+    for cid in installed:
+        folder = scratch_repo / f"data/adapters/{cid}"
+        assert (folder / "adapter_config.json").is_file() and (folder / "train_log.jsonl").is_file()
+        assert train["adapters"][cid]["rollouts"] == 2
+        ledger = scratch_repo / f"data/train/{cid}/rollouts.jsonl"
+        assert sum(json.loads(line)["rollouts"] for line in ledger.read_text().splitlines()) == 2
+    assert (scratch_repo / "reports/figures/train_curves.png").stat().st_size > 1000
+    again = _run([str(BIN / "dvc"), "repro", "train"], scratch_repo)
+    assert "didn't change" in again.stdout or "up to date" in again.stdout

@@ -246,13 +246,15 @@ class TrainConfig(Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     learning_rate: float = Field(1e-5, gt=0)
-    iterations: int = Field(3, ge=1)
+    iterations: int = Field(2, ge=1)
     """GRPO iterations (optimizer steps); each samples `groups` seeds x `group_size` rollouts."""
-    groups: int = Field(2, ge=1)
+    groups: int = Field(1, ge=1)
     """G: environment seeds (groups) per iteration."""
     group_size: int = Field(4, ge=2)
     """K: rollouts per seed; advantages are normalized within the group."""
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(0.5, gt=0)
+    """Sampling temperature of training rollouts (the paper: 1.0). The CPU default samples cooler:
+    SmolLM2-135M at 1.0 almost never succeeds, so every group would have identical rewards."""
     max_new_tokens: int = Field(96, ge=1)
     beta: float = Field(0.0, ge=0)
     """KL weight to the base model (0 in the paper)."""
@@ -274,6 +276,16 @@ class TrainConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
+    baselines: list[Literal["grpo_target", "merged_data"]] = Field(default_factory=list)
+    """Baseline adapters trained after the capability adapters, at their total rollout budget:
+    'grpo_target' (GRPO on the target's train tasks) and 'merged_data' (one adapter on the mixture of
+    all synthetic environments, weighted by `mixture`). Empty on the CPU default: each costs as much
+    training as all capability adapters together."""
+    micro_batch: int = Field(0, ge=0)
+    """Episodes per forward/backward pass (0: 1 on CPU, a group of K on CUDA); must divide groups x
+    group_size. Gradients are accumulated over the iteration (the loss is normalised by the
+    iteration's token count), so only memory and float rounding depend on it. On CPU, 4 SmolLM2
+    retail episodes (~2.7k tokens each) per pass peaked at 16.5 GB."""
     threads: int = Field(0, ge=0)
     """torch CPU threads (0: leave torch's default). On a shared 2-core machine use 1: two OpenMP
     threads competing with another process made decoding ~100x slower."""
@@ -357,7 +369,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "synthesize": {"validation": {"band": True}},
         "train": {"lora_rank": 16, "lora_alpha": 32, "learning_rate": 1e-5, "iterations": 40, "groups": 64,
                   "group_size": 16, "temperature": 1.0, "max_new_tokens": 512, "max_steps_per_episode": 30,
-                  "constrained": False, "tool_choice": "auto", "tool_result_tokens": 1024},
+                  "constrained": False, "tool_choice": "auto", "tool_result_tokens": 1024,
+                  "baselines": ["grpo_target", "merged_data"]},
     },
 }
 

@@ -1,0 +1,354 @@
+"""GRPO training: rollout samples and loss masks, curriculum mixing, budget, determinism and resume.
+
+Rollout-level tests drive `grpo.AgentRollout` with a scripted Policy over the tiny model (exact
+token control); trainer tests run TRL's GRPOTrainer on the tiny random model for 1–3 iterations.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trace_lib.budget import RolloutLedger
+from trace_lib.config import TrainConfig
+from trace_lib.grpo import (TRUNCATION_MARK, AgentRollout, Episode, TrainSource, drop_masked_rows, loss_mask,
+                            trajectory_reward)
+from trace_lib.policy import Policy
+from trace_lib.rewards import make_reward
+from trace_lib.train import (group_sources, load_trainable, lora_config, read_train_log, resolve_train_backend,
+                             train_adapter, train_adapter_mixture, train_dataset)
+
+from toy import KVEnv, kv_task
+
+FAST = {"groups": 2, "group_size": 2, "max_new_tokens": 12, "max_steps_per_episode": 3, "constrained": False,
+        "learning_rate": 1e-2, "save_every": 1}
+
+
+def kv_tasks(seeds):
+    return [kv_task(s % 20).model_copy(update={"seed": s}) for s in seeds]
+
+
+class ParityEnv(KVEnv):
+    """Reward 1 when the agent's first turn has an even number of characters: mixed rewards for a random model."""
+
+    name = "parity"
+
+    def _score(self):
+        first = next(m for m in self.state.messages if m.role == "assistant")
+        return float(len(first.content) % 2 == 0), {}
+
+
+# --- scripted policy: exact control over the agent's tokens ---------------------------------------
+class ScriptedPolicy(Policy):
+    """Per row: key k with k % 3 == 0 -> looks the value up forever; else looks it up once, then
+    answers (right on even batch rows, wrong on odd ones)."""
+
+    seen: list[list[list[int]]]
+    """The prompts of every call (set by tests that look at what the agent read)."""
+
+    def generate_ids(self, prompts, *, temperature, top_p, max_new_tokens, seed, processor=None, use_prefix_cache=None):
+        if hasattr(self, "seen"):
+            self.seen.append(prompts)
+        outs = []
+        for row, ids in enumerate(prompts):
+            text = self.tokenizer.decode(ids)
+            key = re.search(r"value of (k\d+)", text).group(1)
+            turns = text.count("<|im_start|>assistant") - 1
+            if int(key[1:]) % 3 == 0 or turns == 0:
+                reply = f'<tool_call>\n{{"name": "get_value", "arguments": {{"key": "{key}"}}}}\n</tool_call>'
+            else:
+                value = int(key[1:]) * 10 + (row % 2)
+                reply = f"The value is {value}."
+            outs.append(self.encode(reply + "<|im_end|>"))
+        return outs, ["stop"] * len(prompts)
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_dir):
+    policy, _ = load_trainable(tiny_model_dir, TrainConfig(), "trl", seed=0)
+    return ScriptedPolicy(policy.model, policy.tokenizer, "tiny")
+
+
+def run_rollout(policy, prompts, **cfg_kw):
+    cfg = TrainConfig(**{**FAST, **cfg_kw})
+    spent = []
+    ro = AgentRollout(policy, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks)], cfg, make_reward(cfg.reward),
+                      spent.append, seed=0)
+    out = ro(prompts, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    return ro, out, spent
+
+
+def segments(tok, ids, mask):
+    """[(mask value, decoded text)] runs of equal mask."""
+    runs: list[list] = []
+    for i, m in zip(ids, mask, strict=True):
+        if not runs or runs[-1][0] != m:
+            runs.append([m, []])
+        runs[-1][1].append(i)
+    return [(m, tok.decode(s)) for m, s in runs]
+
+
+def test_only_agent_tokens_carry_loss(scripted):
+    ro, out, spent = run_rollout(scripted, ["kv:1001"] * 2 + ["kv:1002"] * 2, filter_lookup_only=False)
+    assert spent == [4]
+    assert out["reward"] == [1.0, 0.0, 1.0, 0.0] and out["tool_calls"] == [1, 1, 1, 1]
+    assert out["logprobs"] is None and len(out["prompt_ids"]) == len(out["completion_ids"]) == len(out["env_mask"]) == 4
+    tok = scripted.tokenizer
+    assert tok.decode(out["prompt_ids"][0]).endswith("What is the value of k1?<|im_end|>\n<|im_start|>assistant\n")
+    segs = segments(tok, out["completion_ids"][0], out["env_mask"][0])
+    assert [m for m, _ in segs] == [1, 0, 1]
+    assert segs[0][1].startswith("<tool_call>") and segs[0][1].endswith("<|im_end|>")
+    assert segs[1][1].startswith("\n<|im_start|>tool\n<tool_response>\n{\"key\": \"k1\", \"value\": 10}")
+    assert segs[1][1].endswith("<|im_start|>assistant\n")
+    assert segs[2][1] == "The value is 10.<|im_end|>"
+    assert "Thanks, bye." not in tok.decode(out["completion_ids"][0])  # the final user turn ends the episode
+
+
+def test_lookup_only_turns_are_filtered_but_one_sample_per_episode_stays(scripted):
+    ro, out, _ = run_rollout(scripted, ["kv:1001"] * 2 + ["kv:1003"] * 2, filter_lookup_only=True)
+    tok = scripted.tokenizer
+    segs = segments(tok, out["completion_ids"][0], out["env_mask"][0])
+    assert [m for m, _ in segs] == [0, 1] and segs[1][1] == "The value is 10.<|im_end|>"
+    looping = ro.last[2]  # k3: only lookups until max_steps
+    assert len(looping.turns) == 3 and all(t[2] for t in looping.turns)
+    kept = loss_mask(looping, True)
+    start, end, _ = looping.turns[-1]
+    assert sum(kept) == end - start and all(kept[start:end])
+    assert out["env_mask"][2] == [0] * len(out["completion_ids"][2])  # but its group has identical rewards
+
+
+def test_groups_with_identical_rewards_are_dropped(scripted):
+    ro, out, _ = run_rollout(scripted, ["kv:1003"] * 2 + ["kv:1001"] * 2)
+    assert out["reward"][:2] == [0.0, 0.0]
+    assert sum(map(sum, out["env_mask"][:2])) == 0 and sum(map(sum, out["env_mask"][2:])) > 0
+    stats = ro.stats[0]
+    assert stats["frac_reward_zero_std"] == 0.5 and stats["success_rate"] == 0.25
+    assert stats["trained_tokens"] == sum(map(sum, out["env_mask"]))
+    assert trajectory_reward([], [], reward=out["reward"]) == out["reward"]
+
+
+class VerboseEnv(KVEnv):
+    """Tool results far longer than `tool_result_tokens`."""
+
+    def _execute(self, call):
+        text, err = super()._execute(call)
+        return text + " padding" * 200, err
+
+
+def test_earlier_tool_results_are_truncated_the_latest_is_read_in_full(scripted):
+    cfg = TrainConfig(**{**FAST, "groups": 1, "tool_result_tokens": 16})
+    policy = ScriptedPolicy(scripted.model, scripted.tokenizer, "tiny")
+    policy.seen = seen = []
+    ro = AgentRollout(policy, [TrainSource("kv", lambda: VerboseEnv(max_steps=3), kv_tasks)], cfg,
+                      make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    tok = scripted.tokenizer
+    assert tok.decode(seen[1][0]).count("padding") == 200  # the agent answered reading the whole result
+    trained = tok.decode(out["completion_ids"][0])
+    assert TRUNCATION_MARK in trained and trained.count("padding") < 20  # the training sequence has it cut
+    ep: Episode = ro.last[0]
+    shown = next(m for m in ep.context if m.role == "tool").content
+    assert shown.endswith(TRUNCATION_MARK) and len(scripted.encode(shown[: -len(TRUNCATION_MARK)])) <= 16
+    assert ep.env.state.messages[3].content.count("padding") == 200  # the env's own record stays whole
+    assert tok.decode(seen[1][0]).startswith(tok.decode(out["prompt_ids"][0] + out["completion_ids"][0][:10]))
+    assert out["reward"] == [1.0, 0.0]
+
+
+def test_efficiency_reward_in_rollouts(scripted):
+    reward = {"efficiency": True, "warmup_threshold": 0, "warmup_epochs": 0, "lam": 0.05}
+    ro, out, _ = run_rollout(scripted, ["kv:1001"] * 2, groups=1, reward=reward)
+    assert out["reward"] == [pytest.approx(0.95), 0.0]  # one call above l_t = 0
+    assert ro.stats[0]["l_t"] == 0 and ro.reward.threshold == 0 and ro.stats[0]["tool_calls_correct"] == 1.0
+
+
+def test_rows_without_loss_are_dropped_from_micro_batches():
+    pad = 0
+    inputs = {
+        "prompt_ids": torch.tensor([[4, 4, 5, 6], [pad, 7, 8, 9], [pad, 5, 6, 7]]),
+        "prompt_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]]),
+        "completion_ids": torch.tensor([[1, 2, 3], [1, 2, pad], [1, pad, pad]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]),
+        "tool_mask": torch.tensor([[0, 0, 0], [1, 0, 1], [1, 1, 1]]),
+        "advantages": torch.tensor([0.0, 1.0, -1.0]),
+        "num_items_in_batch": torch.tensor(2),
+    }
+    out = drop_masked_rows(inputs)
+    assert out["prompt_ids"].tolist() == [[7, 8, 9], [5, 6, 7]] and out["prompt_mask"].tolist() == [[1, 1, 1]] * 2
+    assert out["completion_ids"].tolist() == [[1, 2], [1, pad]] and out["tool_mask"].tolist() == [[1, 0], [1, 1]]
+    assert out["advantages"].tolist() == [1.0, -1.0] and int(out["num_items_in_batch"]) == 2
+    inputs["tool_mask"] = torch.zeros(3, 3, dtype=torch.long)
+    assert drop_masked_rows(inputs) is None
+    inputs["tool_mask"] = torch.ones(3, 3, dtype=torch.long)
+    assert drop_masked_rows(inputs) is inputs
+
+
+# --- configuration pieces -------------------------------------------------------------------------
+def test_resolve_backend(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_train_backend("trl") == "trl"
+    assert resolve_train_backend("auto") == "trl"
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        resolve_train_backend("unsloth")
+    with pytest.raises(ValueError):
+        resolve_train_backend("deepspeed")
+
+
+def test_lora_targets_only_existing_modules(scripted):
+    base = scripted.model.get_base_model()
+    cfg = TrainConfig(target_modules=["q_proj", "v_proj", "c_attn"])
+    assert sorted(lora_config(cfg, base).target_modules) == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="match no module"):
+        lora_config(TrainConfig(target_modules=["c_attn"]), base)
+
+
+def test_the_trainable_policy_samples_with_its_adapter(tiny_model_dir):
+    policy, base_id = load_trainable(tiny_model_dir, TrainConfig(lora_rank=4), "trl", seed=0)
+    assert policy.adapter == "default" and base_id == tiny_model_dir.name
+    trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".")[-2] for n in trainable} == {"default"}
+
+
+def test_mixture_proportions_follow_the_weights():
+    picks = group_sources([3.0, 1.0, 0.0], 4000, seed=1)
+    share = Counter(picks)
+    assert abs(share[0] / 4000 - 0.75) < 0.03 and share[2] == 0
+    assert picks == group_sources([3.0, 1.0, 0.0], 4000, seed=1)
+    assert picks != group_sources([3.0, 1.0, 0.0], 4000, seed=2)
+    with pytest.raises(ValueError):
+        group_sources([0.0, 0.0], 3, seed=0)
+    cfg = TrainConfig(iterations=10, groups=8)
+    src = [TrainSource("a", KVEnv, kv_tasks, 1.0), TrainSource("b", KVEnv, kv_tasks, 1.0)]
+    rows = train_dataset(src, cfg, seed=0)["prompt"]
+    assert len(rows) == 80 and rows[0].endswith(":1000") and rows[-1].endswith(":1079")
+    assert 25 < sum(r.startswith("a:") for r in rows) < 55
+
+
+def test_rollout_batches_mixed_sources(scripted):
+    cfg = TrainConfig(**FAST)
+    srcs = [TrainSource(n, lambda: KVEnv(max_steps=3), kv_tasks) for n in ("x", "y")]
+    ro = AgentRollout(scripted, srcs, cfg, make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["y:1001"] * 2 + ["x:1002"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    assert [ep.source for ep in ro.last] == ["y", "y", "x", "x"]
+    assert [ep.seed for ep in ro.last] == [1001, 1001, 1002, 1002]
+    assert out["tool_calls"] == [1, 1, 1, 1]
+
+
+# --- the trainer ------------------------------------------------------------------------------------
+def lora_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "adapter_model.safetensors")
+
+
+def train(tiny_model_dir, tmp_path, ledger=None, env=ParityEnv, name="cap", out="adapter", **kw):
+    cfg = TrainConfig(**{**FAST, **kw})
+    ledger = ledger or RolloutLedger(tmp_path / "ledger.jsonl")
+    manifest = train_adapter(tiny_model_dir, lambda: env(max_steps=3), kv_tasks, cfg, tmp_path / out, seed=0,
+                             ledger=ledger, name=name)
+    return manifest, ledger
+
+
+def test_one_iteration_trains_and_writes_a_loadable_adapter(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    manifest, ledger = train(tiny_model_dir, tmp_path, iterations=1, group_size=4)
+    out = tmp_path / "adapter"
+    assert {"adapter_model.safetensors", "adapter_config.json", "train_log.jsonl", "timing.json",
+            "manifest.json"} <= {p.name for p in out.iterdir()}
+    assert manifest.iterations == 1 and manifest.rollouts_used == 8 == ledger.used("train", "cap")
+    assert manifest.backend == "trl" and manifest.capability_id == "cap"
+    assert not (tmp_path / ".cap.ckpt").exists()  # checkpoints are removed once the adapter is written
+    log = (out / "train_log.jsonl").read_text().splitlines()
+    assert len(log) == 1 and '"seconds"' not in log[0] and '"frac_reward_zero_std"' in log[0]
+    row = read_train_log(out)[0]
+    assert row["iteration"] == 1 and row["rollouts"] == 8 and row["trained_tokens"] > 0
+    weights = lora_weights(out)
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # B starts at zero
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_identical_rewards_carry_no_gradient(tiny_model_dir, tmp_path):
+    manifest, _ = train(tiny_model_dir, tmp_path, env=KVEnv, iterations=1)  # random model: every reward 0
+    log = (tmp_path / "adapter" / "train_log.jsonl").read_text()
+    assert '"frac_reward_zero_std": 1.0' in log and '"trained_tokens": 0' in log
+    assert all(v.abs().sum() == 0 for k, v in lora_weights(tmp_path / "adapter").items() if "lora_B" in k)
+
+
+def test_budget_stops_training(tiny_model_dir, tmp_path):
+    manifest, ledger = train(tiny_model_dir, tmp_path, iterations=3, rollout_budget=9)
+    assert manifest.iterations == 2 and ledger.used("train", "cap") == 8
+    with pytest.raises(ValueError, match="cannot pay for one iteration"):
+        train(tiny_model_dir, tmp_path, iterations=3, rollout_budget=3, out="other", name="other")
+
+
+class CrashingLedger(RolloutLedger):
+    """Records the n-th add, then dies (a crash in the middle of an iteration)."""
+
+    def __init__(self, path, crash_at: int) -> None:
+        super().__init__(path)
+        self.crash_at, self.adds = crash_at, 0
+
+    def add(self, stage, rollouts, key=""):
+        super().add(stage, rollouts, key)
+        self.adds += 1
+        if self.adds == self.crash_at:
+            raise KeyboardInterrupt("simulated crash")
+
+
+@pytest.mark.slow
+def test_same_seed_same_bytes_and_resume_matches_a_straight_run(tiny_model_dir, tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b, c):
+        d.mkdir()
+    train(tiny_model_dir, a, iterations=3, group_size=4)
+    train(tiny_model_dir, b, iterations=3, group_size=4)
+    assert (a / "adapter" / "train_log.jsonl").read_bytes() == (b / "adapter" / "train_log.jsonl").read_bytes()
+    assert (a / "adapter" / "adapter_model.safetensors").read_bytes() == \
+        (b / "adapter" / "adapter_model.safetensors").read_bytes()
+
+    crashing = CrashingLedger(c / "ledger.jsonl", crash_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_model_dir, c, ledger=crashing, iterations=3, group_size=4)
+    assert (c / ".cap.ckpt" / "checkpoint-2" / "trace_state.json").is_file() and not (c / "adapter").exists()
+    assert crashing.used("train", "cap") == 24  # the crashed iteration's rollouts were recorded ...
+    with pytest.warns(UserWarning, match="dropped 8 rollouts"):
+        manifest, ledger = train(tiny_model_dir, c, iterations=3, group_size=4)
+    assert ledger.used("train", "cap") == 24 and manifest.iterations == 3  # ... and are redone, not double counted
+    assert (c / "adapter" / "train_log.jsonl").read_bytes() == (a / "adapter" / "train_log.jsonl").read_bytes()
+    wa, wc = lora_weights(a / "adapter"), lora_weights(c / "adapter")
+    assert wa.keys() == wc.keys()
+    assert all(torch.equal(wa[k], wc[k]) for k in wa)
+    rows = (a / "adapter" / "train_log.jsonl").read_text().splitlines()
+    assert all('"trained_tokens": 0,' not in r for r in rows)  # every iteration, the resumed one too, has signal
+
+
+def test_a_crash_while_writing_the_adapter_resumes_without_retraining(tiny_model_dir, tmp_path, monkeypatch):
+    import trace_lib.train as train_mod
+
+    def boom(tmp, out_dir):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train_mod, "_replace_dir", boom)
+    with pytest.raises(OSError):
+        train(tiny_model_dir, tmp_path, iterations=1)
+    monkeypatch.undo()
+    manifest, ledger = train(tiny_model_dir, tmp_path, iterations=1)
+    assert manifest.iterations == 1 and ledger.used("train", "cap") == 4
+    assert len((tmp_path / "adapter" / "train_log.jsonl").read_text().splitlines()) == 1
+
+
+def test_mixture_training_runs(tiny_model_dir, tmp_path):
+    cfg = TrainConfig(**{**FAST, "iterations": 1})
+    srcs = [TrainSource("x", lambda: ParityEnv(max_steps=3), kv_tasks, 2.0),
+            TrainSource("y", lambda: KVEnv(max_steps=3), kv_tasks, 1.0)]
+    ledger = RolloutLedger(tmp_path / "ledger.jsonl")
+    m = train_adapter_mixture(tiny_model_dir, srcs, cfg, tmp_path / "mix", seed=0, ledger=ledger, name="mix")
+    assert m.config["sources"] == {"x": 2.0, "y": 1.0} and ledger.used("train", "mix") == 4
