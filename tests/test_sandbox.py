@@ -58,6 +58,7 @@ def test_contract_stub_passes():
     ("from subprocess import run", "import from 'subprocess'"),
     ("import socket", "import of 'socket'"),
     ("import importlib", "import of 'importlib'"),
+    ("import builtins", "import of 'builtins'"),
     ("from . import helper", "relative imports"),
     ("from trace_lib import config", "import from 'trace_lib'"),
     ("from trace_lib.synth_sdk import _retail", "private name '_retail'"),

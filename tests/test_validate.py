@@ -117,6 +117,7 @@ def test_band_needs_a_policy():
                                 "unexpected 'order_number'"),
     ("bad_reference", "reference_solves", "the reference fails on 4/4 seeds: seed 0: reward 0"),
     ("bad_trivial", "do_nothing_fails", "passes 4/4 seeds"),
+    ("bad_always_zero", "reference_solves", "the reference fails on 4/4 seeds"),
     ("bad_sneaky", "deterministic", "attribute '__subclasses__' is not allowed"),
 ])
 def test_broken_module_is_rejected(fixture, check, detail):
