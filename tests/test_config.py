@@ -74,3 +74,10 @@ def test_dotted_overrides(tmp_path: Path):
         load_params(path, {"rollout.tempr": 1.0})
     with pytest.raises(ConfigError, match="rollout.temperature: is not a section"):
         load_params(path, {"rollout.temperature.x": 1.0})
+
+
+def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
+    cpu = params_from_dict({})
+    assert cpu.evaluate.methods == ["base", "oracle_route", "trace"] and cpu.evaluate.route_mode == "argmax"
+    paper = params_from_dict({"profile": "paper"})
+    assert "grpo_target" in paper.evaluate.methods and paper.evaluate.route_mode == "both"

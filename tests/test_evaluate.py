@@ -110,6 +110,35 @@ def test_evaluate_policy_labels_groups_and_restores_base(policy):
         evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, routing=decisions[:3])
 
 
+def test_memo_shares_greedy_episodes_between_methods(policy, monkeypatch):
+    """With a memo, a (task, weights) pair decodes once: routing a task to 'a' reuses `single a`'s episode."""
+    import trace_lib.evaluate as ev
+
+    calls: list[list[str]] = []
+    real = ev.collect_rollouts
+
+    def counting(policy_, factory, tasks, *a, **k):
+        calls.append([t.id for t in tasks])
+        return real(policy_, factory, tasks, *a, **k)
+
+    monkeypatch.setattr(ev, "collect_rollouts", counting)
+    tasks = [kv_task(i) for i in range(3)]
+    memo: dict = {}
+    base = evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, memo=memo)
+    single = evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, routing="a", memo=memo)
+    routed = evaluate_policy(policy, tasks, KVEnv, CFG, seed=0, memo=memo,
+                             routing={"toy/read/0": {}, "toy/read/1": {"a": 1.0}, "toy/read/2": {"b": 1.0}})
+    assert calls == [[t.id for t in tasks], [t.id for t in tasks], ["toy/read/2"]]
+    assert routed[0] == base[0] and routed[1] == single[1] and routed[2].adapter == "b"
+    fresh = evaluate_policy(policy, tasks[2:], KVEnv, CFG, seed=0, routing="b")
+    assert fresh[0].messages == routed[2].messages
+    # another environment's tasks never hit this one's entries
+    evaluate_policy(policy, tasks[:1], KVEnv, CFG, seed=0, memo=memo, memo_key="other")
+    assert calls[-1] == ["toy/read/0"]
+    with pytest.raises(ValueError, match="only at temperature 0"):
+        evaluate_policy(policy, tasks, KVEnv, CFG.model_copy(update={"temperature": 0.5}), seed=0, memo={})
+
+
 def test_route_all_scores_label_tokens_and_none_routes_to_base(policy):
     tasks = [kv_task(i) for i in range(3)]
     cands = [RouteCandidate(capability_id="a", description="looks values up"),
@@ -295,6 +324,9 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     assert methods["gepa"]["reason"] == RULES_REASON and "no adapter at" in methods["grpo_target"]["reason"]
     assert methods["trace_argmax"]["rollouts"] == 16 and metrics["trace_budget"]["total"] == 16
     assert metrics["routing"]["scored"] == 2 and metrics["tasks"] == 2
+    # base, linear merge and the two singles decode 2 tasks each; oracle and TRACE argmax reuse them
+    # (top-p merges may add new weight states)
+    assert 8 <= metrics["episodes_decoded"] <= 10
     out = tmp_path / "data" / "evaluate"
     base = [json.loads(x) for x in (out / "trajectories" / "base.jsonl").read_text().splitlines()]
     assert len(base) == 2 and {b["adapter"] for b in base} == {None}

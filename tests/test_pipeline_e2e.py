@@ -146,5 +146,41 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
         ledger = scratch_repo / f"data/train/{cid}/rollouts.jsonl"
         assert sum(json.loads(line)["rollouts"] for line in ledger.read_text().splitlines()) == 2
     assert (scratch_repo / "reports/figures/train_curves.png").stat().st_size > 1000
+    assert (scratch_repo / "reports/figures/train_vs_base.png").stat().st_size > 1000
+    curves = sorted((scratch_repo / "reports/train").glob("*.csv"))  # dvc plots: x iteration, y reward
+    assert [p.stem for p in curves] == sorted(installed)
+    assert all(p.read_text().startswith("iteration,rollouts,reward,") and len(p.read_text().splitlines()) == 2
+               for p in curves)  # header + one iteration
     again = _run([str(BIN / "dvc"), "repro", "train"], scratch_repo)
+    assert "didn't change" in again.stdout or "up to date" in again.stdout
+
+
+def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_repo: Path):
+    """`dvc repro report` after training: evaluate (base + TRACE argmax), scaling, then the HTML report."""
+    params_file = scratch_repo / "params.yaml"
+    params = yaml.safe_load(params_file.read_text())
+    params["analyst"]["backend"] = "rules"  # as in the train test, so this one also runs alone
+    params["score"]["empty_rate"] = 0.0
+    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "max_new_tokens": 8,
+                       "max_steps_per_episode": 2, "threads": 1, "reward": {"efficiency": False}}
+    params["evaluate"].update({"n_boot": 100})
+    params_file.write_text(yaml.safe_dump(params))
+    _run([str(BIN / "dvc"), "repro", "report"], scratch_repo)
+
+    ev = json.loads((scratch_repo / "reports/metrics/evaluate.json").read_text())
+    ran = {k for k, v in ev["methods"].items() if v["status"] == "run"}
+    assert {"base", "trace_argmax"} <= ran and "grpo_target" not in ran  # the cpu profile's methods
+    assert ev["tasks"] == 7 and ev["episodes_decoded"] <= 3 * 7
+    table1 = (scratch_repo / "reports/tables/table1.md").read_text()
+    assert "TRACE (argmax)" in table1 and "not run" in table1
+    scaling = json.loads((scratch_repo / "reports/metrics/scaling.json").read_text())
+    trace = [p for p in scaling["points"] if p["method"] == "TRACE"]
+    assert trace[0]["budget"] == 0 and trace[-1]["success_rate"] == ev["methods"]["trace_argmax"]["overall"]["success_rate"]
+    assert "no contrastive filter" in (scratch_repo / "reports/tables/ablations.md").read_text()
+    index = (scratch_repo / "reports/index.html").read_text()
+    for name in ("table1", "scaling", "ablations"):
+        assert name in index
+    for nb in ("01_rollout", "05_train", "06_evaluate", "07_scaling"):
+        assert (scratch_repo / f"reports/html/{nb}.html").is_file()
+    again = _run([str(BIN / "dvc"), "repro", "report"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout

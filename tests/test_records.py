@@ -114,3 +114,10 @@ def test_trajectories_load_with_datasets(tmp_path):
     assert ds.num_rows == 2
     assert ds[0]["messages"][2]["tool_calls"][0]["name"] == "get_order_details"
     assert ds[1]["success"] is True
+
+
+def test_atomic_write_makes_files_others_can_read(tmp_path):
+    from trace_lib.io import atomic_write_text
+
+    path = atomic_write_text(tmp_path / "a.txt", "x")
+    assert path.stat().st_mode & 0o777 == 0o644

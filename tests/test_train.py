@@ -6,6 +6,8 @@ token control); trainer tests run TRL's GRPOTrainer on the tiny random model for
 
 from __future__ import annotations
 
+import json
+
 import re
 from collections import Counter
 from pathlib import Path
@@ -23,7 +25,7 @@ from trace_lib.rewards import make_reward
 from trace_lib.train import (group_sources, load_trainable, lora_config, read_train_log, resolve_train_backend,
                              train_adapter, train_adapter_mixture, train_dataset)
 
-from toy import KVEnv, kv_task
+from toy import KVEnv, PickEnv, kv_task, pick_tasks
 
 FAST = {"groups": 2, "group_size": 2, "max_new_tokens": 12, "max_steps_per_episode": 3, "constrained": False,
         "learning_rate": 1e-2, "save_every": 1}
@@ -129,6 +131,7 @@ def test_groups_with_identical_rewards_are_dropped(scripted):
     stats = ro.stats[0]
     assert stats["frac_reward_zero_std"] == 0.5 and stats["success_rate"] == 0.25
     assert stats["trained_tokens"] == sum(map(sum, out["env_mask"]))
+    assert stats["completion_length"] == stats["completion_tokens"] / 4 == sum(ep.agent_tokens for ep in ro.last) / 4
     assert trajectory_reward([], [], reward=out["reward"]) == out["reward"]
 
 
@@ -328,6 +331,15 @@ def test_same_seed_same_bytes_and_resume_matches_a_straight_run(tiny_model_dir, 
     assert all(torch.equal(wa[k], wc[k]) for k in wa)
     rows = (a / "adapter" / "train_log.jsonl").read_text().splitlines()
     assert all('"trained_tokens": 0,' not in r for r in rows)  # every iteration, the resumed one too, has signal
+    # snapshots of the earlier iterations (the scaling stage's budget points), the same after a resume
+    snaps = sorted(p.name for p in (a / "adapter" / "snapshots").iterdir())
+    assert snaps == ["iter-1", "iter-2"] and sorted(p.name for p in (c / "adapter" / "snapshots").iterdir()) == snaps
+    assert [json.loads((a / "adapter" / "snapshots" / n / "snapshot.json").read_text())["rollouts"]
+            for n in snaps] == [8, 16]
+    for n in snaps:
+        assert (a / "adapter" / "snapshots" / n / "adapter_model.safetensors").read_bytes() == \
+            (c / "adapter" / "snapshots" / n / "adapter_model.safetensors").read_bytes()
+    assert not (c / ".cap.ckpt").exists()
 
 
 def test_a_crash_while_writing_the_adapter_resumes_without_retraining(tiny_model_dir, tmp_path, monkeypatch):
@@ -343,6 +355,23 @@ def test_a_crash_while_writing_the_adapter_resumes_without_retraining(tiny_model
     manifest, ledger = train(tiny_model_dir, tmp_path, iterations=1)
     assert manifest.iterations == 1 and ledger.used("train", "cap") == 4
     assert len((tmp_path / "adapter" / "train_log.jsonl").read_text().splitlines()) == 1
+
+
+def test_reward_rises_on_a_learnable_toy_environment(tiny_model_dir, tmp_path):
+    """The real path (TRL's GRPOTrainer + AgentRollout, constrained decoding) learns a choice the tiny
+    random model can learn: PickEnv pays 1 iff the first (and only) tool call is `approve` — about a
+    quarter of the base model's calls at temperature 1. Seed 0 goes from 1 success in 8 to 14 in the
+    last 16; over seeds 0-5 the last two iterations averaged 0.75-0.94 (at lr 3e-2 one seed in three fell to
+    zero success, where every group is identical and learning stops)."""
+    cfg = TrainConfig(groups=2, group_size=4, iterations=8, learning_rate=1e-2, temperature=1.0, max_new_tokens=64,
+                      max_steps_per_episode=2, save_every=100)
+    ledger = RolloutLedger(tmp_path / "ledger.jsonl")
+    train_adapter(tiny_model_dir, PickEnv, pick_tasks, cfg, tmp_path / "pick", seed=0, ledger=ledger, name="pick")
+    rows = read_train_log(tmp_path / "pick")
+    reward = [r["reward"] for r in rows]
+    assert len(rows) == 8 and [r["success_rate"] for r in rows] == reward  # 0/1 env reward: reward == success
+    first, last = reward[0], (reward[-1] + reward[-2]) / 2
+    assert first <= 0.5 and last >= first + 0.25, reward
 
 
 def test_mixture_training_runs(tiny_model_dir, tmp_path):

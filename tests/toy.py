@@ -101,3 +101,53 @@ class ScriptedPolicy:
                 msg = Message(role="assistant", content=f"The value is {value}.")
             out.append(Gen(msg.content, msg, prompt_tokens=10, completion_tokens=5))
         return out
+
+
+PICK_TOOLS = [ToolSpec(name=name, description=f"Close the request: {name}.", kind="write",
+                       parameters={"type": "object", "properties": {}})
+              for name in ("approve", "refund", "escalate", "cancel")]
+
+
+class PickEnv(Environment):
+    """One decision: the first tool call ends the episode, and it succeeds iff it is `target`.
+
+    With grammar-constrained decoding the agent's only free choice is the tool's name, so a
+    policy gradient on the reward moves exactly that choice: learnable by the tiny random model.
+    """
+
+    name = "pick"
+
+    def __init__(self, target: str = "approve", max_steps: int = 2, max_errors: int = 2) -> None:
+        super().__init__(max_steps, max_errors)
+        self.target = target
+        self.transfer_tools = frozenset(t.name for t in PICK_TOOLS)  # any call ends the episode
+
+    @property
+    def tools(self) -> list[ToolSpec]:
+        return PICK_TOOLS
+
+    def system_prompt(self, task: Task) -> str:
+        return "You close customer requests with one tool call."
+
+    def _reset_state(self, task: Task) -> None:
+        pass
+
+    def _execute(self, call: ToolCall) -> tuple[str, bool]:
+        return f"Request closed: {call.name}.", False
+
+    def _user_opening(self, task: Task) -> str:
+        return task.user.reason_for_call
+
+    def _user_reply(self, agent_text: str) -> UserTurn:
+        return UserTurn("Please close my request with a tool.", stop=False)
+
+    def _score(self):
+        calls = [c.name for m in self.state.messages if m.role == "assistant" for c in m.tool_calls]
+        ok = calls[:1] == [self.target]
+        return float(ok), {"first_call": calls[0] if calls else None}
+
+
+def pick_tasks(seeds: list[int]) -> list[Task]:
+    return [Task(id=f"pick/{s}", env="pick", split="train", family="pick", seed=s,
+                 instruction="Close the request.", user=UserScenario(reason_for_call=f"Please close request #{s}."))
+            for s in seeds]

@@ -270,6 +270,9 @@ class TrainConfig(Section):
     """Training seeds start here so they never coincide with validation seeds."""
     save_every: int = Field(1, ge=1)
     """Checkpoint (adapter + optimizer + ledger) every this many iterations, for resume."""
+    snapshots: bool = True
+    """Keep the adapter of every checkpoint but the last in `<adapter>/snapshots/iter-<k>/` with its
+    rollouts: the budget points of the scaling stage (no retraining per point)."""
     max_steps_per_episode: int = Field(6, ge=1)
     constrained: bool = True
     tool_choice: Literal["auto", "first", "required"] = "first"
@@ -342,6 +345,18 @@ class EvaluateConfig(Section):
         return self
 
 
+class ScalingConfig(Section):
+    """Success against rollout budget, and the ablation table (stage `scaling`, the paper's scaling figure)."""
+
+    budgets: list[int] | None = None
+    """TRACE totals (rollouts) to draw; each takes the newest adapter snapshots that fit in it
+    (`train.snapshot_every`). None: every snapshot. Budget 0 (the base model) is always drawn."""
+    ablation_runs: dict[Literal["no_filter", "no_synthesis", "efficiency_on", "efficiency_off"], str] = Field(
+        default_factory=dict)
+    """Ablation row -> root folder of another run of this pipeline (a `dvc exp` workspace copy or a
+    papermill sweep root) whose TRACE episodes fill that row; rows without one say how to run them."""
+
+
 class Params(Section):
     profile: Literal["cpu", "paper"] = "cpu"
     """Size switch: 'cpu' (SmolLM2, minutes) or 'paper' (the paper's model and budgets)."""
@@ -356,11 +371,15 @@ class Params(Section):
     synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
 
 
 # Values a profile sets when params.yaml does not; the file always wins.
 PROFILES: dict[str, dict[str, Any]] = {
-    "cpu": {},
+    # evaluate on CPU: greedy episodes of the base model and of TRACE's argmax routing (the oracle
+    # router shares their episodes where it picks the same weights); the other methods are 'not run'.
+    "cpu": {"evaluate": {"methods": ["base", "oracle_route", "trace"], "route_mode": "argmax",
+                         "interference_seeds": 2}},
     "paper": {
         "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "dtype": "bfloat16"},
         "env": {"tasks_per_family": 64, "max_steps": 30, "max_errors": 10},
@@ -370,7 +389,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "train": {"lora_rank": 16, "lora_alpha": 32, "learning_rate": 1e-5, "iterations": 40, "groups": 64,
                   "group_size": 16, "temperature": 1.0, "max_new_tokens": 512, "max_steps_per_episode": 30,
                   "constrained": False, "tool_choice": "auto", "tool_result_tokens": 1024,
-                  "baselines": ["grpo_target", "merged_data"]},
+                  "baselines": ["grpo_target", "merged_data"], "save_every": 5},
     },
 }
 

@@ -110,18 +110,38 @@ def weights_label(weights: Mapping[str, float]) -> str | None:
     return merge_label(weights)
 
 
+EpisodeMemo = dict[tuple, list[Trajectory]]
+"""(env name, weights, task id) -> that task's trajectories: see `evaluate_policy`'s `memo`."""
+
+
 def evaluate_policy(policy: Any, tasks: Sequence[Task], env_factory: Callable[[], Environment],
                     rollout_cfg: RolloutConfig, seed: int, routing: Routing = None,
-                    progress: bool = False) -> list[Trajectory]:
+                    progress: bool = False, memo: EpisodeMemo | None = None, memo_key: str = "") -> list[Trajectory]:
     """Run `tasks` under `routing` (see `route_groups`); each group runs under one weight state
     (`compose.apply_route`, base weights restored after). Trajectories sorted by id; their
-    `policy_id` and `adapter` name the adapter or merge each ran with."""
+    `policy_id` and `adapter` name the adapter or merge each ran with.
+
+    `memo` (greedy decoding only): an episode at temperature 0 is a function of its task and the
+    weights it runs under, so methods that send a task to the same weights (TRACE routing a task to
+    adapter A, `single` running A everywhere, the oracle, the base model for `none`) share one episode
+    instead of decoding it again. `memo_key` names the environment the tasks belong to."""
+    if memo is not None and rollout_cfg.temperature != 0:
+        raise ValueError("episodes can be shared between methods only at temperature 0")
     out: list[Trajectory] = []
     for weights, group in route_groups(tasks, routing):
-        with apply_route(policy, weights):
-            trajs, _ = collect_rollouts(policy, env_factory, group, rollout_cfg, seed,
-                                        adapter=weights_label(weights), progress=progress)
-        out.extend(trajs)
+        key = (memo_key, tuple(weights.items()))
+        todo = group if memo is None else [t for t in group if (*key, t.id) not in memo]
+        if todo:
+            with apply_route(policy, weights):
+                trajs, _ = collect_rollouts(policy, env_factory, todo, rollout_cfg, seed,
+                                            adapter=weights_label(weights), progress=progress)
+            if memo is None:
+                out.extend(trajs)
+            else:
+                for t in todo:
+                    memo[(*key, t.id)] = [x for x in trajs if x.task_id == t.id]
+        if memo is not None:
+            out.extend(x for t in group for x in memo[(*key, t.id)])
     return sorted(out, key=lambda t: t.id)
 
 
@@ -251,12 +271,13 @@ def run_evaluate(params: Any, root: Path = Path("."), progress: bool = True) -> 
     wanted = set(cfg.methods)
     runs: list[MethodRun] = []
     decisions: dict[str, list[RouteDecision]] = {}
+    memo: EpisodeMemo | None = {} if rcfg.temperature == 0 else None
 
     def run(routing_for: Callable[[EnvConfig, list[Task]], Routing]) -> list[Trajectory]:
         out: list[Trajectory] = []
         for ecfg, ts in targets:
             out += evaluate_policy(policy, ts, lambda e=ecfg: _make_env(e), rcfg, cfg.seed, routing_for(ecfg, ts),
-                                   progress)
+                                   progress, memo, ecfg.name)
         return out
 
     def add(method: str, key: str, label: str, reason: str | None = None, routing_for=None,
@@ -312,6 +333,7 @@ def run_evaluate(params: Any, root: Path = Path("."), progress: bool = True) -> 
     metrics = write_reports(runs, targets, decisions, quality, interference, budget, cfg, evaluate_paths(root),
                             extra={"analysis_rollouts": inputs.analysis_rollouts(root, params.rollout.split),
                                    "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
+                                   "episodes_decoded": None if memo is None else sum(map(len, memo.values())),
                                    "seconds": round(time.perf_counter() - t0, 1)})
     return metrics
 

@@ -271,6 +271,7 @@ class AgentRollout:
             "tool_calls_correct": epoch["tool_calls_correct"],
             "l_t": epoch["l_t"],
             "completion_tokens": sum(ep.agent_tokens for ep in episodes),
+            "completion_length": sum(ep.agent_tokens for ep in episodes) / n,
             "trained_tokens": sum(map(sum, masks)),
             "rollouts": n,
             "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0},

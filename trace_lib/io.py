@@ -25,6 +25,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(fd, 0o644)  # mkstemp makes 0600; artifacts and report pages are meant to be read by others
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

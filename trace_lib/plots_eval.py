@@ -83,3 +83,29 @@ def routing_confusion(quality: dict[str, Any], title: str = "") -> plt.Figure:
     ax.set_title(title or (f"accuracy {acc:.2f} (random {rnd:.2f})" if acc is not None else ""))
     fig.tight_layout()
     return fig
+
+
+def scaling_curve(rows: Sequence[dict[str, Any]], title: str = "") -> plt.Figure:
+    """Success against training rollouts per method (bootstrap CI bands); methods not run are listed."""
+    ran = [r for r in rows if "success_rate" in r]
+    if not ran:
+        return placeholder("no scaling point was evaluated: " + "; ".join(sorted({r["reason"] for r in rows})))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    pal = sns.color_palette()
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in ran)):
+        pts = sorted((r for r in ran if r["method"] == method), key=lambda r: r["budget"])
+        x = [r["budget"] for r in pts]
+        y = [r["success_rate"] for r in pts]
+        ax.errorbar(x, y, yerr=[[a - r["ci_low"] for a, r in zip(y, pts)], [r["ci_high"] - a for a, r in zip(y, pts)]],
+                    marker="o", capsize=3, color=pal[i], label=method)
+    missing = sorted({r["method"] for r in rows} - {r["method"] for r in ran})
+    if missing:
+        ax.text(0.99, 0.02, "not run: " + ", ".join(missing), transform=ax.transAxes, ha="right", fontsize=8,
+                color="0.4")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("training rollouts (TRACE: all adapters + band checks)")
+    ax.set_ylabel("success rate (95% bootstrap CI over tasks)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    return fig

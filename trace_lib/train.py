@@ -7,6 +7,8 @@ Reads the prepared model folder and one or more environments (a `make_env` facto
     out_dir/train_log.jsonl       one row per iteration, no timings: the same seed gives the same bytes
     out_dir/timing.json           seconds per iteration (rollout / total), kept out of the log
     out_dir/manifest.json         AdapterManifest
+    out_dir/snapshots/iter-<k>/   the adapter after each earlier checkpoint + snapshot.json {iteration,
+                                  rollouts} (`train.snapshots`): the scaling stage's budget points
 
 and appends every episode it rolls out to the caller's RolloutLedger (stage "train", key = name).
 
@@ -57,8 +59,10 @@ from trace_lib.rewards import make_reward
 
 STAGE = "train"
 STATE_FILE = "trace_state.json"
+SNAPSHOTS = "snapshots"
+"""Sub-folder of an adapter with the adapter of each earlier checkpoint (`train.snapshots`)."""
 LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "tool_calls", "tool_calls_correct",
-            "l_t", "completion_tokens", "trained_tokens")
+            "l_t", "completion_tokens", "completion_length", "trained_tokens")
 """Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
 TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
             "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
@@ -183,6 +187,19 @@ class TraceCallback(TrainerCallback):
         self.save_state(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step)
 
 
+def keep_snapshot(checkpoint: Path, dest: Path, iteration: int, rollouts: int) -> None:
+    """Copy a checkpoint's adapter (config + weights, no optimizer) to `dest` with its budget: the
+    scaling stage evaluates these instead of retraining at each budget."""
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for fname in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy2(checkpoint / fname, tmp / fname)
+    write_json(tmp / "snapshot.json", {"iteration": iteration, "rollouts": rollouts})
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+
+
 def _round(v: Any) -> Any:
     return round(v, 6) + 0.0 if isinstance(v, float) else v  # + 0.0: no "-0.0" in the log
 
@@ -257,6 +274,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         write_json(folder / STATE_FILE, {"iteration": iteration, "ledger_rows": ledger.count(STAGE, name),
                                          "log": run["log"], "timing": run["timing"],
                                          "reward": reward.state_dict()})
+        if cfg.snapshots:
+            keep_snapshot(folder, ckpt_root / SNAPSHOTS / f"iter-{iteration}", iteration, ledger.used(STAGE, name))
 
     callback = TraceCallback(rollout, run, lambda: ledger.used(STAGE, name), save_state)
     trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress)
@@ -278,6 +297,10 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     write_json(tmp / "timing.json", {"iterations": run["timing"], "total_seconds": sum(times),
                                      "seconds_per_iteration": sum(times) / len(times) if times else None})
     write_json(tmp / "manifest.json", manifest.model_dump(mode="json"))
+    for snap in sorted((ckpt_root / SNAPSHOTS).glob("iter-*")):
+        if int(snap.name.split("-")[1]) < len(run["log"]):  # the last one is the adapter itself
+            (tmp / SNAPSHOTS).mkdir(exist_ok=True)
+            os.replace(snap, tmp / SNAPSHOTS / snap.name)
     _replace_dir(tmp, out_dir)
     shutil.rmtree(ckpt_root, ignore_errors=True)
     return manifest
@@ -348,7 +371,8 @@ def read_train_log(out_dir: Path) -> list[dict[str, Any]]:
 def train_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
     return {"adapters": root / "data" / "adapters", "ledgers": root / "data" / "train",
             "manifests": root / "data" / "adapters" / "manifests.jsonl",
-            "metrics": root / "reports" / "metrics" / "train.json", "model": root / params.model.out_dir}
+            "metrics": root / "reports" / "metrics" / "train.json", "model": root / params.model.out_dir,
+            "curves": root / "reports" / "train"}
 
 
 def _sandbox_limits(params: Params):
@@ -390,7 +414,8 @@ def _fresh_ledger(path: Path, out_dir: Path, name: str) -> RolloutLedger:
 
 
 def run_train(params: Params, root: Path = Path("."), progress: bool = False) -> dict[str, Any]:
-    """The whole stage: one adapter per validated environment, then the baselines at TRACE's budget."""
+    """The whole stage: one adapter per validated environment, then the baselines at TRACE's budget;
+    each adapter's curves also go to `reports/train/<name>.csv` (dvc plots)."""
     from contextlib import ExitStack
 
     from trace_lib.eval_inputs import adapter_dir, ledger_path, trace_budget
@@ -430,6 +455,9 @@ def run_train(params: Params, root: Path = Path("."), progress: bool = False) ->
                 ledger=_fresh_ledger(ledger_path(root, name, baseline=True), adapter_dir(root, name, baseline=True),
                                      name), name=name, progress=progress))
     write_jsonl(paths["manifests"], manifests)
+    from trace_lib.plots_train import write_train_csvs  # lazy: matplotlib
+
+    write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths["curves"])
     metrics = {
         "backend": resolve_train_backend(cfg.backend),
         "adapters": {m.capability_id: {"rollouts": m.rollouts_used, "iterations": m.iterations,

@@ -1,0 +1,92 @@
+"""Training curves: the CSV that dvc.yaml declares as plots, and the figure against the base pass rate."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+
+from trace_lib.plots_train import (CSV_COLUMNS, base_pass_rate, curves_against_base, train_log_csv,
+                                   training_curves, write_train_csvs)
+
+
+def log_row(iteration: int, success: float, reward: float | None = None, **kw) -> dict:
+    """A train_log.jsonl row as trace_lib.train writes it (beta = 0: TRL logs no kl)."""
+    row = {"iteration": iteration, "rollouts": 8 * iteration, "reward": success if reward is None else reward,
+           "reward_std": 0.46291, "success_rate": success, "frac_reward_zero_std": 0.5, "tool_calls": 2.75,
+           "tool_calls_correct": 1.0, "l_t": None, "completion_tokens": 1404, "completion_length": 175.5,
+           "trained_tokens": 191, "loss": -0.068, "kl": None, "entropy": 0.685832, "grad_norm": 0.38,
+           "clip_ratio": 0.0, "learning_rate": 1e-05}
+    return {**row, **kw}
+
+
+def parse(text: str) -> list[dict[str, str]]:
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_csv_has_trl_metric_names_and_leaves_unrecorded_values_empty():
+    text = train_log_csv([log_row(1, 0.25), log_row(2, 0.375)])
+    assert text.splitlines()[0] == ",".join(CSV_COLUMNS)
+    assert {"reward", "reward_std", "frac_reward_zero_std", "kl", "completion_length", "tool_calls", "iteration",
+            "rollouts", "success_rate", "l_t"} <= set(CSV_COLUMNS)
+    rows = parse(text)
+    assert [r["iteration"] for r in rows] == ["1", "2"] and [r["rollouts"] for r in rows] == ["8", "16"]
+    assert rows[1]["reward"] == "0.375" and rows[0]["reward_std"] == "0.46291" and rows[0]["success_rate"] == "0.25"
+    assert rows[0]["completion_length"] == "175.5" and rows[0]["tool_calls"] == "2.75"
+    assert rows[0]["kl"] == "" and rows[0]["l_t"] == ""  # beta = 0, efficiency reward off: not invented
+    assert "seconds" not in text and "completion_tokens" not in rows[0]  # no timings in a cached artifact
+
+
+def test_csv_carries_kl_and_the_efficiency_threshold_when_logged():
+    rows = parse(train_log_csv([log_row(1, 0.5, reward=0.45, kl=0.0123, l_t=3), {"iteration": 2, "reward": 0.9}]))
+    assert rows[0]["kl"] == "0.0123" and rows[0]["l_t"] == "3" and rows[0]["reward"] == "0.45"
+    assert rows[1]["reward"] == "0.9" and rows[1]["success_rate"] == ""  # a key missing from an older log
+    assert train_log_csv([]) == ",".join(CSV_COLUMNS) + "\n"
+
+
+def test_csv_files_one_per_adapter_stale_ones_removed(tmp_path):
+    out = tmp_path / "reports" / "train"
+    write_train_csvs({"old_capability": [log_row(1, 0.5)]}, out)
+    paths = write_train_csvs({"b": [log_row(1, 0.5)], "a": [log_row(1, 0.25), log_row(2, 0.5)]}, out)
+    assert [p.name for p in paths] == ["a.csv", "b.csv"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.csv", "b.csv"]  # no temp files, no stale adapter
+    assert (out / "a.csv").read_text() == train_log_csv([log_row(1, 0.25), log_row(2, 0.5)])
+    assert write_train_csvs({}, out) == [] and list(out.iterdir()) == []
+
+
+def dashed(ax) -> list:
+    return [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+
+
+def test_each_adapter_is_drawn_against_its_base_pass_rate():
+    logs = {"tool_call_precision": [log_row(1, 0.75), log_row(2, 0.875)],
+            "communicate_result": [log_row(1, 0.25), log_row(2, 0.375)]}
+    assert base_pass_rate(logs["communicate_result"]) == 0.25 and base_pass_rate([log_row(2, 0.5)]) is None
+    fig = curves_against_base(logs, temperature=0.8)
+    axes = [ax for ax in fig.axes if ax.get_visible() and ax.axison]
+    assert [ax.get_title() for ax in axes] == ["communicate_result", "tool_call_precision"]
+    for ax, base in zip(axes, (0.25, 0.75), strict=True):
+        (line,) = dashed(ax)
+        assert list(line.get_ydata()) == [base, base] and line.get_label() == "base pass rate (T=0.8)"
+        assert "base pass rate (T=0.8)" in [t.get_text() for t in ax.get_legend().get_texts()]
+        labels = [ln.get_label() for ln in ax.get_lines()]
+        assert "success rate" in labels and "reward" not in labels  # reward == success: drawn once
+
+
+def test_reward_is_drawn_too_when_the_efficiency_reward_changes_it():
+    logs = {"cap": [log_row(1, 0.5, reward=0.45, l_t=3), log_row(2, 0.75, reward=0.7, l_t=2)]}
+    ax = curves_against_base(logs).axes[0]
+    assert {ln.get_label() for ln in ax.get_lines()} == {"success rate", "reward", "base pass rate"}
+    assert list(dashed(ax)[0].get_ydata()) == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("logs", [{}, {"cap": []}])
+def test_figures_without_iterations_still_draw(logs):
+    fig = curves_against_base(logs)
+    assert fig.axes and not any(dashed(ax) for ax in fig.axes)
+    assert training_curves(logs).axes

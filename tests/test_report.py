@@ -1,0 +1,196 @@
+"""Report stage: notebook export, the index page, the lock fingerprint, and the page in headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from trace_lib.report import export_notebooks, git_commit, lock_digest, markdown_html, run_report, table_order
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE1 = "# Table 1\n\nSuccess rate (%).\n\n| method | retail |\n| --- | --- |\n| base | 24.0 |\n| TRACE | 44.0 |\n"
+ROUTING = "# Routing vs merging\n\n| mode | success |\n| --- | --- |\n| argmax | 0.5 |\n"
+EXTRA = "# Extra\n\n| a \\| b | c |\n| --- | --- |\n| 1 | — |\n"
+
+
+def png_bytes(color: str) -> bytes:
+    fig, ax = plt.subplots(figsize=(1.5, 1.0), dpi=40)
+    ax.plot([0, 1], [0, 1], color=color)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def fake_notebook(title: str, png: bytes) -> nbformat.NotebookNode:
+    out = new_output("display_data", data={"image/png": base64.b64encode(png).decode(), "text/plain": "<Figure>"})
+    return new_notebook(cells=[new_markdown_cell(f"# {title}\n\nText."), new_code_cell("plot()", outputs=[out])],
+                        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+
+
+def fake_lock(report_md5: str, train_md5: str = "aaa") -> str:
+    return ("schema: '2.0'\nstages:\n  train:\n    cmd: papermill train\n    outs:\n    - path: data/adapters\n"
+            f"      md5: {train_md5}\n  report:\n    cmd: papermill report\n    outs:\n"
+            f"    - path: reports/index.html\n      md5: {report_md5}\n")
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A project folder as the earlier stages leave it: executed notebooks, tables, metrics, figures."""
+    reports = tmp_path / "reports"
+    for sub in ("notebooks", "tables", "metrics", "figures"):
+        (reports / sub).mkdir(parents=True)
+    nbformat.write(fake_notebook("00 · Alpha", png_bytes("red")), reports / "notebooks" / "00_alpha.ipynb")
+    nbformat.write(fake_notebook("01 · Beta", png_bytes("blue")), reports / "notebooks" / "01_beta.ipynb")
+    nbformat.write(fake_notebook("08 · Report", png_bytes("green")), reports / "notebooks" / "08_report.ipynb")
+    (reports / "tables" / "routing.md").write_text(ROUTING)
+    (reports / "tables" / "table1.md").write_text(TABLE1)
+    (reports / "tables" / "extra.md").write_text(EXTRA)
+    (reports / "tables" / "table1.csv").write_text("method,retail\n")
+    (reports / "metrics" / "rollout.json").write_text(json.dumps({"success_rate": 0.25, "by_family": {"a": 1}}))
+    (reports / "metrics" / "report.json").write_text(json.dumps({"notebooks": 99}))  # last run's, not shown
+    (reports / "figures" / "score_error_rates.png").write_bytes(png_bytes("black"))
+    (reports / "figures" / "train_curves.png").write_bytes(png_bytes("orange"))
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "dvc.lock").write_text(fake_lock("old"))
+    return tmp_path
+
+
+def test_export_notebooks_is_self_contained_and_skips_the_running_one(tree: Path):
+    dest = tree / "reports" / "html"
+    dest.mkdir()
+    (dest / "07_gone.html").write_text("stale")
+    exported = export_notebooks(tree / "reports" / "notebooks", dest)
+    assert exported == [("00_alpha", "00 · Alpha"), ("01_beta", "01 · Beta")]
+    assert sorted(p.name for p in dest.iterdir()) == ["00_alpha.html", "01_beta.html"]
+    page = (dest / "00_alpha.html").read_text()
+    assert "data:image/png;base64," in page and "00 · Alpha" in page
+    assert not re.search(r'(src|href)="(https?:)?//', page), "the exported page loads something from the network"
+
+
+def test_lock_digest_leaves_out_the_report_entry(tmp_path: Path):
+    a, b, c = tmp_path / "a.lock", tmp_path / "b.lock", tmp_path / "c.lock"
+    a.write_text(fake_lock("one"))
+    b.write_text(fake_lock("two"))
+    c.write_text(fake_lock("one", train_md5="bbb"))
+    assert lock_digest(a) == lock_digest(b) != lock_digest(c)
+    assert re.fullmatch(r"[0-9a-f]{32}", lock_digest(a))
+    assert lock_digest(tmp_path / "missing.lock") is None
+
+
+def test_markdown_tables_and_order():
+    body = markdown_html(EXTRA)
+    assert "<h3>Extra</h3>" in body and "<table>" in body and "<th>a | b</th>" in body
+    assert table_order(["zeta", "routing", "ablations", "table1", "alpha"]) == [
+        "table1", "routing", "ablations", "alpha", "zeta"]
+
+
+def test_git_commit_is_none_outside_a_checkout(tmp_path: Path):
+    assert git_commit(tmp_path) is None
+
+
+def test_run_report_writes_index_and_metrics(tree: Path):
+    metrics = run_report(tree)
+    assert metrics == {"notebooks": 2, "exported": ["00_alpha", "01_beta"], "tables": 3, "metrics_files": 1,
+                       "figures": 2}
+    assert json.loads((tree / "reports" / "metrics" / "report.json").read_text()) == metrics
+    page = (tree / "reports" / "index.html").read_text()
+    for link in ('href="html/00_alpha.html"', 'href="html/01_beta.html"', 'href="notebooks/08_report.ipynb"'):
+        assert link in page
+    assert 'href="html/08_report.html"' not in page
+    assert '<img src="figures/score_error_rates.png" alt="score error rates">' in page
+    assert page.index('id="table-table1"') < page.index('id="table-routing"') < page.index('id="table-extra"')
+    assert "<td>TRACE</td>" in page and 'id="table-interference"' not in page  # missing tables are just absent
+    assert "success_rate" in page and "<details>" in page and '"notebooks": 99' not in page
+    assert "profile <b>cpu</b>" in page and lock_digest(tree / "dvc.lock") in page and "commit <code>unknown" in page
+    assert "delta: 0.20" in page  # params.yaml verbatim, comments included
+    assert not re.search(r'(src|href)="(https?:)?//', page)
+    first = page.encode()
+    (tree / "dvc.lock").write_text(fake_lock("new"))  # only the report's own entry changed
+    run_report(tree)
+    assert (tree / "reports" / "index.html").read_bytes() == first, "same inputs must give the same bytes"
+
+
+def test_run_report_with_nothing_upstream(tmp_path: Path):
+    metrics = run_report(tmp_path)
+    assert metrics["notebooks"] == metrics["tables"] == metrics["figures"] == 0
+    assert (tmp_path / "reports" / "html").is_dir()
+    page = (tmp_path / "reports" / "index.html").read_text()
+    assert "(no params.yaml)" in page and "no dvc.lock" in page and "<h2 id=\"tables\">" not in page
+
+
+# --- in a browser ------------------------------------------------------------------------------------
+# The check runs on a throwaway copy next to the page (so relative paths resolve the same), with a script
+# appended that records, at the load event, what the browser made of every image and table. A control
+# image that cannot load proves the check tells loaded from broken.
+CHECK_SCRIPT = """<img id="control" src="figures/does-not-exist.png" alt="control">
+<script>
+window.addEventListener("load", () => {
+  const images = [...document.images].map(i => ({id: i.id, src: i.getAttribute("src").slice(0, 40),
+                                                 loaded: i.complete && i.naturalWidth > 0}));
+  const tables = [...document.querySelectorAll("table")].map(t => ({
+    section: t.closest("section") ? t.closest("section").id : "",
+    head: [...t.rows[0].cells].map(c => c.innerText.trim()), rows: t.rows.length,
+    shown: t.getBoundingClientRect().height > 0}));
+  const fetched = performance.getEntriesByType("resource").map(e => e.name)
+    .filter(n => !n.startsWith("file:") && !n.startsWith("data:"));
+  const out = document.createElement("pre");
+  out.id = "browser-check";
+  out.textContent = JSON.stringify({images, tables, fetched});
+  document.body.appendChild(out);
+});
+</script>
+"""
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if found := shutil.which(name):
+            return found
+    pytest.skip("chromium not installed: apt-get install chromium")
+
+
+def browser_check(page: Path, tmp_path: Path) -> dict:
+    """Open a copy of `page` in headless Chromium and return what the check script recorded."""
+    probe = page.with_name(f".check-{page.name}")
+    probe.write_text(page.read_text().replace("</body>", CHECK_SCRIPT + "</body>"))
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+           "--disable-background-networking", "--disable-component-update", f"--user-data-dir={tmp_path / 'profile'}",
+           "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    found = re.search(r'<pre id="browser-check">(.*?)</pre>', done.stdout, re.S)
+    assert found, f"no check output from chromium (rc {done.returncode}): {done.stderr[-2000:]}"
+    return json.loads(html.unescape(found[1]))
+
+
+def test_index_renders_in_chromium(tree: Path, tmp_path: Path):
+    chromium()
+    run_report(tree)
+    seen = browser_check(tree / "reports" / "index.html", tmp_path)
+    control = [i for i in seen["images"] if i["id"] == "control"]
+    assert control == [{"id": "control", "src": "figures/does-not-exist.png", "loaded": False}]
+    figures = [i for i in seen["images"] if i["id"] != "control"]
+    assert [i["src"] for i in figures] == ["figures/score_error_rates.png", "figures/train_curves.png"]
+    assert all(i["loaded"] for i in figures), figures
+    tables = {t["section"]: t for t in seen["tables"] if t["section"]}
+    assert list(tables) == ["table-table1", "table-routing", "table-extra"]
+    assert tables["table-table1"]["head"] == ["method", "retail"] and tables["table-table1"]["rows"] == 3
+    assert tables["table-extra"]["head"] == ["a | b", "c"]
+    assert all(t["shown"] for t in tables.values())
+    assert seen["fetched"] == [], "the page fetched something from the network"
+
+    notebook = browser_check(tree / "reports" / "html" / "00_alpha.html", tmp_path)
+    outputs = [i for i in notebook["images"] if i["id"] != "control"]
+    assert outputs and all(i["loaded"] and i["src"].startswith("data:image/png") for i in outputs), outputs
+    assert notebook["fetched"] == []

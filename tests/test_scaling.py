@@ -1,0 +1,129 @@
+"""Scaling stage: budget points from adapter snapshots, routing renamed per point, ablation rows, the stage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_evaluate import save_lora, traj
+from trace_lib.config import Params, ScalingConfig
+from trace_lib.io import write_json, write_jsonl
+from trace_lib.records import AdapterManifest
+from trace_lib.route import RouteDecision
+from trace_lib.scaling import (
+    Snapshot, ablation_rows, ablation_table, budget_points, find_snapshots, point_routing, scaling_table,
+)
+
+
+def snap(cap: str, k: int, n: int) -> Snapshot:
+    return Snapshot(cap, k, n, Path(f"/x/{cap}/snapshots/iter-{k}"))
+
+
+def test_budget_points_every_snapshot_then_final():
+    snaps = {"a": [snap("a", 1, 8), snap("a", 2, 16)], "b": [snap("b", 1, 8), snap("b", 2, 16)]}
+    points = budget_points(snaps, {"a": 24, "b": 24}, extra=4)
+    assert [(p["total"], p["iteration"]) for p in points] == [(0, 0), (20, 1), (36, 2), (52, None)]
+    assert points[1]["adapters"]["a"].rollouts == 8 and points[-1]["adapters"] == {"a": "final", "b": "final"}
+    # requested budgets take the largest point that fits; duplicates merge; below the first point: base
+    picked = budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[10, 19, 40, 1000])
+    assert [p["total"] for p in picked] == [0, 36, 52]
+    # an iteration one adapter lacks is no point
+    uneven = budget_points({"a": [snap("a", 1, 8)], "b": []}, {"a": 16, "b": 16})
+    assert [p["total"] for p in uneven] == [0, 32]
+    assert budget_points({}, {}) == [{"total": 0, "iteration": 0, "adapters": {}}]
+
+
+def test_point_routing_renames_adapters_and_keeps_none():
+    points = budget_points({"a": [snap("a", 1, 8)], "b": [snap("b", 1, 8)]}, {"a": 16, "b": 16})
+    ds = [RouteDecision(task_id="t1", mode="argmax", candidates=["a", "b"], labels=["A", "B", "C"],
+                        probs=[0.7, 0.2, 0.1], weights={"a": 1.0}),
+          RouteDecision(task_id="t2", mode="argmax", candidates=["a", "b"], labels=["A", "B", "C"],
+                        probs=[0.1, 0.2, 0.7], weights={})]
+    assert point_routing(ds, points[0]) == {"t1": {}, "t2": {}}
+    assert point_routing(ds, points[1]) == {"t1": {"a@iter-1": 1.0}, "t2": {}}
+    assert point_routing(ds, points[2]) == {"t1": {"a": 1.0}, "t2": {}}
+
+
+def test_find_snapshots_needs_config_and_meta(tmp_path):
+    for k, complete in ((2, True), (1, True), (3, False)):
+        folder = tmp_path / "a" / "snapshots" / f"iter-{k}"
+        folder.mkdir(parents=True)
+        write_json(folder / "snapshot.json", {"iteration": k, "rollouts": 8 * k})
+        if complete:
+            (folder / "adapter_config.json").write_text("{}")
+    assert [(s.iteration, s.rollouts) for s in find_snapshots(tmp_path / "a")] == [(1, 8), (2, 16)]
+    assert find_snapshots(tmp_path / "b") == []
+
+
+def test_ablation_rows_this_run_other_runs_and_how_to(tmp_path):
+    def put(root: Path, key: str, outcomes: list[bool], calls: int = 2):
+        rows = [traj(f"t{i}", ok).model_copy(update={"tool_calls": calls}) for i, ok in enumerate(outcomes)]
+        write_jsonl(root / "data" / "evaluate" / "trajectories" / f"{key}.jsonl", rows)
+
+    put(tmp_path, "base", [False, False, True, False])
+    put(tmp_path, "trace_argmax", [True, False, True, False], calls=3)
+    other = tmp_path / "sweeps" / "eff"
+    put(other, "trace_argmax", [True, True, True, False], calls=1)
+    evaluated = {"methods": {"trace_top_p": {"status": "not run", "reason": "evaluate.route_mode is 'argmax'"}}}
+    cfg = ScalingConfig(ablation_runs={"efficiency_on": "sweeps/eff"})
+    rows = {r["method"]: r for r in ablation_rows(tmp_path, cfg, evaluated, efficiency_on=False, n_boot=50)}
+    assert rows["trace_argmax"]["success_rate"] == 0.5 and rows["trace_argmax"]["tool_calls_per_success"] == 3
+    assert rows["efficiency_off"]["success_rate"] == 0.5  # this run trained without it
+    assert rows["efficiency_on"]["success_rate"] == 0.75 and rows["efficiency_on"]["source"] == "sweeps/eff"
+    assert rows["trace_top_p"]["reason"] == "evaluate.route_mode is 'argmax'"
+    assert "score.delta=-1" in rows["no_filter"]["reason"]
+    table = ablation_table(list(rows.values()))
+    assert "not run: needs a run that keeps every candidate" in table.to_string()
+    assert scaling_table([rows["base"] | {"budget": 0, "iteration": 0}])["iteration"].tolist() == ["base"]
+
+
+@pytest.fixture(scope="module")
+def loras(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scaling_loras")
+    return {"a": save_lora(tiny_model_dir, root / "a", 1, ["q_proj", "v_proj"]),
+            "a1": save_lora(tiny_model_dir, root / "a1", 3, ["q_proj", "v_proj"]),
+            "b": save_lora(tiny_model_dir, root / "b", 2, ["k_proj", "o_proj"]),
+            "b1": save_lora(tiny_model_dir, root / "b1", 4, ["k_proj", "o_proj"])}
+
+
+def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch):
+    """Evaluate on 2 tasks with two adapters that each have one snapshot, then the scaling stage."""
+    from trace_lib.evaluate import run_evaluate
+    from trace_lib.scaling import run_scaling
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    for cap, src in (("precondition_verification", "a"), ("structured_data_reasoning", "b")):
+        folder = tmp_path / "data" / "adapters" / cap
+        shutil.copytree(loras[src], folder)
+        shutil.copytree(loras[src + "1"], folder / "snapshots" / "iter-1")
+        write_json(folder / "snapshots" / "iter-1" / "snapshot.json", {"iteration": 1, "rollouts": 4})
+        write_json(folder / "manifest.json", AdapterManifest(
+            capability_id=cap, path=str(folder), base_model=tiny_model_dir.name, env_sha256="", backend="trl",
+            rollouts_used=8, iterations=2).model_dump(mode="json"))
+    params = Params.model_validate({
+        "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
+        "env": {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2},
+        "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
+        "evaluate": {"interference_seeds": 0, "n_boot": 100, "methods": ["base", "trace"], "route_mode": "argmax"},
+    })
+    run_evaluate(params, tmp_path, progress=False)
+    metrics = run_scaling(params, tmp_path, progress=False)
+    trace = [p for p in metrics["points"] if p["method"] == "TRACE"]
+    assert [(p["budget"], p["iteration"]) for p in trace] == [(0, 0), (8, 1), (16, None)]
+    assert all(p["n"] == 2 for p in trace)
+    final = json.loads((tmp_path / "reports" / "metrics" / "evaluate.json").read_text())["methods"]["trace_argmax"]
+    assert trace[-1]["success_rate"] == final["overall"]["success_rate"]
+    grpo = next(p for p in metrics["points"] if p["method"] == "GRPO on target")
+    assert "no adapter at" in grpo["reason"]
+    routes = [json.loads(x) for x in (tmp_path / "data/evaluate/routes/trace_argmax.jsonl").read_text().splitlines()]
+    mid = [json.loads(x) for x in (tmp_path / "data/scaling/trajectories/trace@8.jsonl").read_text().splitlines()]
+    expect = {r["task_id"]: (f"{next(iter(r['weights']))}@iter-1" if r["weights"] else None) for r in routes}
+    assert {m["task_id"]: m["adapter"] for m in mid} == expect
+    assert metrics["decoded_points"] == 1
+    table = (tmp_path / "reports" / "tables" / "scaling.md").read_text()
+    assert "| TRACE | 8 | 1 |" in table and "not run" in table  # GRPO and GEPA rows say why
+    assert "ablation" in (tmp_path / "reports" / "tables" / "ablations.md").read_text()
+    assert (tmp_path / "reports" / "figures" / "scaling.png").stat().st_size > 1000

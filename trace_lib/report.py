@@ -1,0 +1,218 @@
+"""Report stage: one browsable page over everything the pipeline wrote.
+
+Reads   reports/notebooks/*.ipynb (each stage's executed notebook), reports/tables/*.md,
+        reports/metrics/*.json, reports/figures/*.png, params.yaml and dvc.lock (plus the git commit,
+        when there is one).
+Writes  reports/html/<name>.html, each executed notebook as self-contained HTML (images embedded, no
+        script or stylesheet fetched from a CDN); reports/index.html, the params, a fingerprint of the
+        pipeline, links to the notebooks, the tables, metrics and figures inline, with relative links
+        only; reports/metrics/report.json (counts).
+The bytes are a function of those inputs alone (no timestamps), so an unchanged pipeline rebuilds an
+unchanged page. This stage implements no part of the paper; it presents the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+import mistune
+import nbformat
+import yaml
+from nbconvert import HTMLExporter
+
+from trace_lib.config import load_params
+from trace_lib.io import atomic_write_text, write_json
+
+SELF = "08_report"  # the notebook running this stage: still executing, so it cannot be exported
+TABLE_ORDER = ("table1", "routing", "interference", "capabilities", "scaling", "ablations")
+
+# JupyterLab's template, less the blocks that load require.js, MathJax, mermaid and widgets from a CDN:
+# the notebooks hold no widgets or diagrams, and their formulas are written in Unicode.
+_OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+"""
+
+_CSS = """body{font:15px/1.45 system-ui,sans-serif;max-width:70em;margin:2em auto;padding:0 1em;color:#222}
+h1,h2{border-bottom:1px solid #ddd;padding-bottom:.2em}
+table{border-collapse:collapse;margin:.5em 0 1em}th,td{border:1px solid #ccc;padding:.25em .6em}
+th{background:#f3f3f3}tbody tr:nth-child(even){background:#fafafa}
+pre{background:#f6f8fa;padding:.8em;overflow-x:auto;font-size:13px}
+figure{display:inline-block;margin:0 1em 1em 0;vertical-align:top}
+figure img{max-width:100%;border:1px solid #eee}figcaption,.src{color:#666;font-size:13px}"""
+
+
+def report_paths(root: Path = Path(".")) -> dict[str, Path]:
+    reports = root / "reports"
+    return {"reports": reports, "notebooks": reports / "notebooks", "html": reports / "html",
+            "tables": reports / "tables", "metrics": reports / "metrics", "figures": reports / "figures",
+            "index": reports / "index.html", "report_metrics": reports / "metrics" / "report.json",
+            "lock": root / "dvc.lock"}
+
+
+def notebook_title(nb: nbformat.NotebookNode) -> str:
+    """The first markdown heading of a notebook, or '' when it has none."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("#").strip()
+    return ""
+
+
+def export_notebook(nb: nbformat.NotebookNode) -> str:
+    """One notebook as a self-contained HTML page (outputs' images are inlined as data URIs)."""
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"offline.html.j2": _OFFLINE_TEMPLATE})],
+                            template_file="offline.html.j2", embed_images=True)
+    body, _ = exporter.from_notebook_node(nb)
+    return body
+
+
+def export_notebooks(src: Path, dest: Path, exclude: tuple[str, ...] = (SELF,)) -> list[tuple[str, str]]:
+    """Export every `src/*.ipynb` but `exclude` to `dest/<name>.html`, sorted by name; drop stale pages.
+
+    Returns (name, title) per exported notebook.
+    """
+    dest.mkdir(parents=True, exist_ok=True)  # an output of the stage even when nothing ran yet
+    exported = []
+    for path in sorted(src.glob("*.ipynb")):
+        if path.stem in exclude:
+            continue
+        nb = nbformat.read(path, as_version=4)
+        atomic_write_text(dest / f"{path.stem}.html", export_notebook(nb))
+        exported.append((path.stem, notebook_title(nb)))
+    keep = {f"{name}.html" for name, _ in exported}
+    for old in dest.glob("*.html"):
+        if old.name not in keep:
+            old.unlink()
+    return exported
+
+
+def lock_digest(path: str | Path, skip: tuple[str, ...] = ("report",)) -> str | None:
+    """md5 of dvc.lock's stages other than `skip`, as canonical JSON; None without a lock file.
+
+    The report stage's own entry is left out: it records this page's hash, which changes after the page
+    is written, so the digest of the whole file could never match the page that quotes it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    lock = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    stages = {k: v for k, v in (lock.get("stages") or {}).items() if k not in skip}
+    return hashlib.md5(json.dumps(stages, sort_keys=True).encode()).hexdigest()
+
+
+def git_commit(root: Path) -> str | None:
+    """The short commit of `root`'s checkout; None outside git or without a git binary."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def markdown_html(text: str, shift: int = 2) -> str:
+    """Markdown (with pipe tables) to HTML, headings pushed `shift` levels down to nest under the page's."""
+    body = mistune.create_markdown(escape=True, plugins=["table"])(text)
+    return re.sub(r"<(/?)h([1-6])>", lambda m: f"<{m[1]}h{min(6, int(m[2]) + shift)}>", body)
+
+
+def table_order(names: list[str]) -> list[str]:
+    """The evaluate/scaling tables in paper order first, then any others by name."""
+    known = [n for n in TABLE_ORDER if n in names]
+    return known + sorted(n for n in names if n not in TABLE_ORDER)
+
+
+def metrics_html(name: str, data: Any) -> str:
+    """A key/value table of a metrics file's top-level scalars, and the whole JSON folded below it."""
+    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v, ensure_ascii=False))}</td></tr>"
+                   for k, v in sorted(data.items()) if isinstance(v, (str, int, float, bool)) or v is None
+                   ) if isinstance(data, dict) else ""
+    pretty = html.escape(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False))
+    return (f'<h3 id="metrics-{quote(name)}">{html.escape(name)}</h3>'
+            + (f"<table><tbody>{rows}</tbody></table>" if rows else "")
+            + f"<details><summary>reports/metrics/{html.escape(name)}.json</summary><pre>{pretty}</pre></details>")
+
+
+def render_index(*, params_text: str, resolved: dict | None, profile: str, overrides: dict, digest: str | None,
+                 commit: str | None, notebooks: list[tuple[str, str]], tables: dict[str, str],
+                 metrics: dict[str, Any], figures: list[str], self_name: str = SELF) -> str:
+    """The index page from already-read inputs (pure: equal inputs give equal bytes)."""
+    esc = html.escape
+    nb_items = "".join(f'<li><a href="html/{quote(n)}.html">{esc(n)}</a>{" — " + esc(t) if t else ""}</li>'
+                       for n, t in notebooks)
+    nb_items += (f'<li><a href="notebooks/{quote(self_name)}.ipynb">{esc(self_name)}</a> — this page\'s '
+                 "notebook (still running while the page is built, so linked as .ipynb, not exported)</li>")
+    nav = [("notebooks", True), ("tables", tables), ("figures", figures), ("metrics", metrics), ("params", True)]
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>TRACE pipeline report</title><style>{_CSS}</style></head><body>",
+        "<h1>TRACE pipeline report</h1>",
+        f"<p>profile <b>{esc(profile)}</b> · pipeline fingerprint <code>{esc(digest or 'no dvc.lock')}</code>"
+        " (md5 of dvc.lock without its report entry) · commit "
+        f"<code>{esc(commit or 'unknown')}</code></p>",
+        "<p>" + " · ".join(f'<a href="#{key}">{key}</a>' for key, shown in nav if shown) + "</p>",
+        '<h2 id="notebooks">Executed notebooks</h2>', f"<ul>{nb_items}</ul>",
+    ]
+    if tables:
+        parts.append('<h2 id="tables">Tables</h2>')
+        for name in table_order(list(tables)):
+            parts.append(f'<section class="table" id="table-{quote(name)}">{markdown_html(tables[name])}'
+                         f'<p class="src">reports/tables/{esc(name)}.md</p></section>')
+    if figures:
+        parts.append('<h2 id="figures">Figures</h2>')
+        for name in figures:
+            alt = esc(name.replace("_", " "))
+            parts.append(f'<figure><img src="figures/{quote(name)}.png" alt="{alt}">'
+                         f"<figcaption>{esc(name)}.png</figcaption></figure>")
+    if metrics:
+        parts.append('<h2 id="metrics">Metrics</h2>')
+        parts += [metrics_html(name, metrics[name]) for name in sorted(metrics)]
+    parts += ['<h2 id="params">Parameters</h2>',
+              f"<details open><summary>params.yaml</summary><pre>{esc(params_text or '(no params.yaml)')}</pre>"
+              "</details>"]
+    if overrides:
+        parts.append(f"<p>overrides: <code>{esc(json.dumps(overrides, sort_keys=True))}</code></p>")
+    if resolved is not None:
+        parts.append("<details><summary>resolved (profile defaults filled in)</summary><pre>"
+                     f"{esc(json.dumps(resolved, indent=2, sort_keys=True, ensure_ascii=False))}</pre></details>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def run_report(root: Path = Path("."), params_path: str | Path | None = None,
+               overrides: dict[str, Any] | None = None, self_name: str = SELF) -> dict[str, Any]:
+    """Export the executed notebooks, write reports/index.html and reports/metrics/report.json."""
+    paths = report_paths(root)
+    params_path = Path(params_path) if params_path is not None else root / "params.yaml"
+    params_text, resolved, profile = "", None, "unknown"
+    if params_path.is_file():
+        params_text = params_path.read_text(encoding="utf-8")
+        params = load_params(params_path, overrides)
+        resolved, profile = params.model_dump(mode="json"), params.profile
+    notebooks = export_notebooks(paths["notebooks"], paths["html"], exclude=(self_name,))
+    tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted(paths["tables"].glob("*.md"))}
+    # report.json is this stage's own output: quoting last run's counts would make the page drift.
+    metrics = {p.stem: json.loads(p.read_text(encoding="utf-8"))
+               for p in sorted(paths["metrics"].glob("*.json")) if p != paths["report_metrics"]}
+    figures = [p.stem for p in sorted(paths["figures"].glob("*.png"))]
+    page = render_index(params_text=params_text, resolved=resolved, profile=profile, overrides=overrides or {},
+                        digest=lock_digest(paths["lock"]), commit=git_commit(root), notebooks=notebooks,
+                        tables=tables, metrics=metrics, figures=figures, self_name=self_name)
+    atomic_write_text(paths["index"], page)
+    summary = {"notebooks": len(notebooks), "exported": [n for n, _ in notebooks], "tables": len(tables),
+               "metrics_files": len(metrics), "figures": len(figures)}
+    write_json(paths["report_metrics"], summary)
+    return summary
