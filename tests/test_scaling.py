@@ -14,7 +14,8 @@ from trace_lib.io import write_json, write_jsonl
 from trace_lib.records import AdapterManifest
 from trace_lib.route import RouteDecision
 from trace_lib.scaling import (
-    Snapshot, ablation_rows, ablation_table, budget_points, find_snapshots, point_routing, scaling_table,
+    Snapshot, ablation_rows, ablation_table, budget_points, find_snapshots, point_routing, routed_adapters,
+    scaling_table,
 )
 
 
@@ -42,9 +43,11 @@ def test_point_routing_renames_adapters_and_keeps_none():
                         probs=[0.7, 0.2, 0.1], weights={"a": 1.0}),
           RouteDecision(task_id="t2", mode="argmax", candidates=["a", "b"], labels=["A", "B", "C"],
                         probs=[0.1, 0.2, 0.7], weights={})]
-    assert point_routing(ds, points[0]) == {"t1": {}, "t2": {}}
-    assert point_routing(ds, points[1]) == {"t1": {"a@iter-1": 1.0}, "t2": {}}
-    assert point_routing(ds, points[2]) == {"t1": {"a": 1.0}, "t2": {}}
+    choices = routed_adapters(ds)
+    assert choices == {"t1": ["a"], "t2": []}
+    assert point_routing(choices, points[0]) == {"t1": {}, "t2": {}}
+    assert point_routing(choices, points[1]) == {"t1": {"a@iter-1": 1.0}, "t2": {}}
+    assert point_routing(choices, points[2]) == {"t1": {"a": 1.0}, "t2": {}}
 
 
 def test_find_snapshots_needs_config_and_meta(tmp_path):
@@ -103,11 +106,19 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
         write_json(folder / "manifest.json", AdapterManifest(
             capability_id=cap, path=str(folder), base_model=tiny_model_dir.name, env_sha256="", backend="trl",
             rollouts_used=8, iterations=2).model_dump(mode="json"))
+    grpo = tmp_path / "data" / "adapters" / "_baselines" / "grpo_target"  # a baseline with one snapshot too
+    shutil.copytree(loras["b"], grpo)
+    shutil.copytree(loras["a1"], grpo / "snapshots" / "iter-1")
+    write_json(grpo / "snapshots" / "iter-1" / "snapshot.json", {"iteration": 1, "rollouts": 6})
+    write_json(grpo / "manifest.json", AdapterManifest(
+        capability_id="grpo_target", path=str(grpo), base_model=tiny_model_dir.name, env_sha256="", backend="trl",
+        rollouts_used=12, iterations=2).model_dump(mode="json"))
     params = Params.model_validate({
         "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
         "env": {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2},
         "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
-        "evaluate": {"interference_seeds": 0, "n_boot": 100, "methods": ["base", "trace"], "route_mode": "argmax"},
+        "evaluate": {"interference_seeds": 0, "n_boot": 100, "methods": ["base", "trace", "grpo_target"],
+                     "route_mode": "argmax"},
     })
     run_evaluate(params, tmp_path, progress=False)
     metrics = run_scaling(params, tmp_path, progress=False)
@@ -116,14 +127,17 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
     assert all(p["n"] == 2 for p in trace)
     final = json.loads((tmp_path / "reports" / "metrics" / "evaluate.json").read_text())["methods"]["trace_argmax"]
     assert trace[-1]["success_rate"] == final["overall"]["success_rate"]
-    grpo = next(p for p in metrics["points"] if p["method"] == "GRPO on target")
-    assert "no adapter at" in grpo["reason"]
+    g = [p for p in metrics["points"] if p["method"] == "GRPO on target"]
+    assert [(p["budget"], p["iteration"]) for p in g] == [(0, 0), (6, 1), (12, None)] and all(p["n"] == 2 for p in g)
+    mid_grpo = [json.loads(x) for x in (tmp_path / "data/scaling/trajectories/grpo_target@6.jsonl").read_text().splitlines()]
+    assert {m["adapter"] for m in mid_grpo} == {"grpo_target@iter-1"}
     routes = [json.loads(x) for x in (tmp_path / "data/evaluate/routes/trace_argmax.jsonl").read_text().splitlines()]
     mid = [json.loads(x) for x in (tmp_path / "data/scaling/trajectories/trace@8.jsonl").read_text().splitlines()]
     expect = {r["task_id"]: (f"{next(iter(r['weights']))}@iter-1" if r["weights"] else None) for r in routes}
     assert {m["task_id"]: m["adapter"] for m in mid} == expect
     assert metrics["decoded_points"] == 1
     table = (tmp_path / "reports" / "tables" / "scaling.md").read_text()
-    assert "| TRACE | 8 | 1 |" in table and "not run" in table  # GRPO and GEPA rows say why
+    assert "| TRACE | 8 | 1 |" in table and "| GRPO on target | 6 | 1 |" in table
+    assert "not run" in table  # the GEPA row says why
     assert "ablation" in (tmp_path / "reports" / "tables" / "ablations.md").read_text()
     assert (tmp_path / "reports" / "figures" / "scaling.png").stat().st_size > 1000

@@ -330,6 +330,14 @@ class EvaluateConfig(Section):
     methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))
     """Methods to run (others are reported as 'not run'): base, grpo_target, gepa, merged_data,
     linear_merge, single, oracle_route, trace."""
+    gepa_max_rollouts: int | None = Field(None, ge=1)
+    """GEPA row: cap on its metric calls (agent episodes on the target's train tasks); the budget used
+    is min(this, TRACE's total rollouts). None: exactly TRACE's budget (the paper's equal budget)."""
+    gepa_tasks: int | None = Field(None, ge=1)
+    """GEPA row: train tasks per target environment it draws minibatches from and scores candidates on
+    (None: the whole train split; at most half the budget is spent scoring the seed prompt)."""
+    gepa_minibatch: int = Field(3, ge=1)
+    """GEPA row: tasks per reflection minibatch (GEPA's default 3)."""
     n_boot: int = Field(2000, ge=0)
     """Bootstrap resamples for the intervals and the paired differences."""
     ci_level: float = Field(0.95, gt=0, lt=1)

@@ -249,7 +249,7 @@ def evaluate_paths(root: Path = Path(".")) -> dict[str, Path]:
 def run_evaluate(params: Any, root: Path = Path("."), progress: bool = True) -> dict[str, Any]:
     """The whole stage (see the module docstring); returns the metrics written to evaluate.json."""
     from trace_lib import eval_inputs as inputs
-    from trace_lib.eval_gepa import gepa_status
+    from trace_lib.eval_gepa import gepa_status, run_gepa, with_prompt
     from trace_lib.eval_report import MethodRun, write_reports
     from trace_lib.policy import load_policy
 
@@ -273,18 +273,22 @@ def run_evaluate(params: Any, root: Path = Path("."), progress: bool = True) -> 
     decisions: dict[str, list[RouteDecision]] = {}
     memo: EpisodeMemo | None = {} if rcfg.temperature == 0 else None
 
-    def run(routing_for: Callable[[EnvConfig, list[Task]], Routing]) -> list[Trajectory]:
+    def run(routing_for: Callable[[EnvConfig, list[Task]], Routing],
+            prompts: Mapping[str, str] | None = None) -> list[Trajectory]:
         out: list[Trajectory] = []
         for ecfg, ts in targets:
-            out += evaluate_policy(policy, ts, lambda e=ecfg: _make_env(e), rcfg, cfg.seed, routing_for(ecfg, ts),
-                                   progress, memo, ecfg.name)
+            factory: Callable[[], Environment] = lambda e=ecfg: _make_env(e)  # noqa: E731
+            if prompts is not None:  # another system prompt: never share episodes with the memo
+                factory = with_prompt(factory, prompts[ecfg.name])
+            out += evaluate_policy(policy, ts, factory, rcfg, cfg.seed, routing_for(ecfg, ts),
+                                   progress, memo if prompts is None else None, ecfg.name)
         return out
 
     def add(method: str, key: str, label: str, reason: str | None = None, routing_for=None,
-            budget_n: int | None = None, source: str = "") -> None:
+            budget_n: int | None = None, source: str = "", prompts: Mapping[str, str] | None = None) -> None:
         if reason is None and method not in wanted:
             reason = "not in evaluate.methods"
-        trajs = run(routing_for) if reason is None else None
+        trajs = run(routing_for, prompts) if reason is None else None
         runs.append(MethodRun(method, key, label, trajs, reason or "", budget_n, source))
 
     add("base", "base", "base", routing_for=lambda e, ts: None, budget_n=0, source="no training")
@@ -295,7 +299,14 @@ def run_evaluate(params: Any, root: Path = Path("."), progress: bool = True) -> 
         else:
             add(name, name, label, f"no adapter at {inputs.adapter_dir(root, name, True).relative_to(root)} "
                                    "(train it at TRACE's budget: eval_inputs.trace_budget)")
-    add("gepa", "gepa", "GEPA (system prompt)", gepa_status(params))
+    gepa_reason, gepa_record = gepa_status(params, budget["total"]), None
+    if gepa_reason is None and "gepa" in wanted:
+        gepa = run_gepa(policy, params, root, budget["total"], _make_env)
+        add("gepa", "gepa", "GEPA (system prompt)", routing_for=lambda e, ts: None, prompts=gepa.prompts,
+            budget_n=gepa.record["rollouts_used"], source=gepa.record["ledger"])
+        gepa_record = gepa.record
+    else:
+        add("gepa", "gepa", "GEPA (system prompt)", gepa_reason)
     trace = {"budget_n": budget["total"], "source": "TRACE adapters"}
     no_caps = "no capability adapters under data/adapters/" if not names else None
     add("linear_merge", "linear_merge", "linear merge (α = 1/n)",
@@ -333,6 +344,7 @@ def run_evaluate(params: Any, root: Path = Path("."), progress: bool = True) -> 
     metrics = write_reports(runs, targets, decisions, quality, interference, budget, cfg, evaluate_paths(root),
                             extra={"analysis_rollouts": inputs.analysis_rollouts(root, params.rollout.split),
                                    "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
+                                   **({"gepa": gepa_record} if gepa_record else {}),
                                    "episodes_decoded": None if memo is None else sum(map(len, memo.values())),
                                    "seconds": round(time.perf_counter() - t0, 1)})
     return metrics

@@ -45,7 +45,7 @@ _OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
 
 _CSS = """body{font:15px/1.45 system-ui,sans-serif;max-width:70em;margin:2em auto;padding:0 1em;color:#222}
 h1,h2{border-bottom:1px solid #ddd;padding-bottom:.2em}
-table{border-collapse:collapse;margin:.5em 0 1em}th,td{border:1px solid #ccc;padding:.25em .6em}
+table{border-collapse:collapse;margin:.5em 0 1em;display:block;overflow-x:auto;max-width:100%}th,td{border:1px solid #ccc;padding:.25em .6em}
 th{background:#f3f3f3}tbody tr:nth-child(even){background:#fafafa}
 pre{background:#f6f8fa;padding:.8em;overflow-x:auto;font-size:13px}
 figure{display:inline-block;margin:0 1em 1em 0;vertical-align:top}

@@ -96,15 +96,16 @@ def budget_points(snapshots: dict[str, list[Snapshot]], finals: dict[str, int], 
     return picked
 
 
-def point_routing(decisions: Sequence[Any], point: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Task id -> weights at a budget point: the router's adapter, renamed to that point's snapshot."""
+def routed_adapters(decisions: Sequence[Any]) -> dict[str, list[str]]:
+    """Task id -> the adapters a router decision sends it to ([] = the base model)."""
+    return {d.task_id: [c for c, a in sorted(d.weights.items()) if a] for d in decisions}
+
+
+def point_routing(choices: dict[str, list[str]], point: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Task id -> weights at a budget point: each chosen adapter renamed to that point's snapshot."""
     out = {}
-    for d in decisions:
-        chosen = [c for c, a in d.weights.items() if a]
-        if not chosen or point["iteration"] == 0:
-            out[d.task_id] = {}
-        else:
-            out[d.task_id] = {snapshot_name(point, c): 1.0 for c in chosen}
+    for task_id, chosen in choices.items():
+        out[task_id] = {} if point["iteration"] == 0 else {snapshot_name(point, c): 1.0 for c in chosen}
     return out
 
 
@@ -253,7 +254,7 @@ def run_scaling(params: Any, root: Path = Path("."), progress: bool = True) -> d
     else:
         by_point = {0: base, None: final}
         if todo:
-            by_point.update(_decode_points(params, root, todo, decisions, base, progress))
+            by_point.update(_decode_points(params, root, todo, routed_adapters(decisions), base, progress))
         for p in points:
             trajs = by_point[p["iteration"]]
             rows.append(point_row("TRACE", p["total"], p["iteration"], trajs, "", ecfg.n_boot, ecfg.ci_level,
@@ -261,15 +262,32 @@ def run_scaling(params: Any, root: Path = Path("."), progress: bool = True) -> d
             if p["iteration"] not in (0, None):
                 written[f"trace@{p['total']}"] = trajs
     grpo = evaluated["methods"].get("grpo_target", {})
-    if "grpo_target" in baselines and trajectories_of(root, "grpo_target") is not None:
+    grpo_final = trajectories_of(root, "grpo_target")
+    if "grpo_target" in baselines and grpo_final is not None and base is not None:
+        # GRPO on the target: one adapter on every task, at each of its snapshots too
         n, _ = inputs.adapter_budget(root, "grpo_target", baseline=True)
-        rows.append(point_row("GRPO on target", n, None, trajectories_of(root, "grpo_target"), "", ecfg.n_boot,
-                              ecfg.ci_level, ecfg.seed))
+        g_points = budget_points({"grpo_target": find_snapshots(baselines["grpo_target"])}, {"grpo_target": n},
+                                 0, cfg.budgets)
+        g_todo = [p for p in g_points if p["iteration"] not in (0, None)]
+        everyone = {t.task_id: ["grpo_target"] for t in base}
+        by_point = {0: base, None: grpo_final}
+        if g_todo:
+            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress))
+        for p in g_points:
+            rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["iteration"]], "",
+                                  ecfg.n_boot, ecfg.ci_level, ecfg.seed))
+            if p["iteration"] not in (0, None):
+                written[f"grpo_target@{p['total']}"] = by_point[p["iteration"]]
     else:
         rows.append(point_row("GRPO on target", budget["total"], None, None,
                               grpo.get("reason") or "not evaluated"))
     gepa = evaluated["methods"].get("gepa", {})
-    rows.append(point_row("GEPA", budget["total"], None, None, gepa.get("reason") or "not evaluated"))
+    gepa_trajs = trajectories_of(root, "gepa")
+    if gepa.get("status") == "run" and gepa_trajs is not None:  # its final prompt, at the rollouts it spent
+        rows.append(point_row("GEPA", int(gepa.get("rollouts") or 0), None, gepa_trajs, "", ecfg.n_boot,
+                              ecfg.ci_level, ecfg.seed))
+    else:
+        rows.append(point_row("GEPA", budget["total"], None, None, gepa.get("reason") or "not evaluated"))
 
     ablations = ablation_rows(root, cfg, evaluated, params.train.reward.efficiency, ecfg.n_boot, ecfg.seed)
     for key, trajs in sorted(written.items()):
@@ -286,9 +304,10 @@ def run_scaling(params: Any, root: Path = Path("."), progress: bool = True) -> d
     return metrics
 
 
-def _decode_points(params: Any, root: Path, todo: list[dict[str, Any]], decisions: Sequence[Any],
+def _decode_points(params: Any, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
                    base: Sequence[Trajectory], progress: bool) -> dict[int, list[Trajectory]]:
-    """Episodes of TRACE at each intermediate budget point (base episodes reused for 'none' tasks)."""
+    """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots
+    (base episodes reused for tasks sent to no adapter)."""
     from trace_lib.evaluate import _make_env, eval_rollout_config, eval_targets, evaluate_policy
     from trace_lib.policy import load_policy
 
@@ -308,7 +327,7 @@ def _decode_points(params: Any, root: Path, todo: list[dict[str, Any]], decision
                     memo.setdefault((env_cfg.name, (), t.task_id), []).append(t)
     out = {}
     for p in todo:
-        routing = point_routing(decisions, p)
+        routing = point_routing(choices, p)
         trajs: list[Trajectory] = []
         for env_cfg, tasks in targets:
             trajs += evaluate_policy(policy, tasks, lambda e=env_cfg: _make_env(e), rcfg, ecfg.seed,
