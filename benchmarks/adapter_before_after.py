@@ -18,11 +18,11 @@ from pathlib import Path
 
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-from trace_lib.eval_inputs import find_adapters
-from trace_lib.evaluate import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
-from trace_lib.policy import load_policy
-from trace_lib.sandbox import SandboxProcess, limits_from_config
-from trace_lib.synthesize import valid_envs
+from trace_lib.evaluation.inputs import find_adapters
+from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
+from trace_lib.agent.policy import load_policy
+from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
+from trace_lib.synth.synthesize import valid_envs
 
 
 def main() -> None:

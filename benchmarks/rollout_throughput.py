@@ -6,7 +6,7 @@ the generated text is appended and a scripted user reply follows. Each row repor
 tokens per wall-clock second over all episodes (prefill included) and the speed-up over the
 naive loop. Rows:
 
-    batched      trace_lib.policy (all episodes in one batch per turn, shared-prefix cascade attention,
+    batched      trace_lib.agent.policy (all episodes in one batch per turn, shared-prefix cascade attention,
                  KV buffer, finished rows dropped)
     naive        one episode at a time through `model.generate` (DynamicCache)
     llama.cpp    llama-cpp-python on the same GGUF file (Q4_1 weights), one stream
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from trace_lib.chat import render_prompt
+from trace_lib.agent.chat import render_prompt
 from trace_lib.records import Message
 
 SYSTEM = (
@@ -148,8 +148,8 @@ def run_llama_cpp(gguf: Path, tokenizer, episodes: int, turns: int, new_tokens: 
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from trace_lib.policy import load_policy, resolve_model_path
-    from trace_lib.prepare_model import resolve_model, smollm2_gguf_path
+    from trace_lib.agent.policy import load_policy, resolve_model_path
+    from trace_lib.agent.model import resolve_model, smollm2_gguf_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default="data/model", help="prepared SmolLM2 folder (created if missing)")

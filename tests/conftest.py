@@ -27,8 +27,8 @@ def _cached_tokenizer(cache_root: Path):
     """The SmolLM2 tokenizer with the trace chat template, parsed from the GGUF only on a cold cache."""
     from transformers import AutoTokenizer
 
-    from trace_lib.chat import tool_chat_template
-    from trace_lib.prepare_model import load_gguf_tokenizer, smollm2_gguf_path
+    from trace_lib.agent.chat import tool_chat_template
+    from trace_lib.agent.model import load_gguf_tokenizer, smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     folder = cache_root / f"tok-{gguf.stat().st_size}"
@@ -85,6 +85,6 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct converted from the packaged GGUF (use in `slow` tests only)."""
-    from trace_lib.prepare_model import resolve_model
+    from trace_lib.agent.model import resolve_model
 
     return resolve_model("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "model", "float32")

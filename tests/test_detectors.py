@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trace_lib.detectors import DETECTORS, Detector, call_events, detect, detector_capabilities
+from trace_lib.analyst.detectors import DETECTORS, Detector, call_events, detect, detector_capabilities
 from trace_lib.records import Message, Task, ToolCall, Trajectory, UserScenario
 
 KINDS = {"find_user_id_by_email": "read", "get_order_details": "read", "get_user_details": "read",

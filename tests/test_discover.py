@@ -11,7 +11,7 @@ import pytest
 from test_detectors import play_retail, retail_kinds, retail_tasks
 from test_llm import FakeMessagesAPI, _message
 from trace_lib.config import DiscoverConfig, params_from_dict
-from trace_lib.discover import (
+from trace_lib.analyst.discover import (
     discover_capabilities,
     discover_paths,
     failure_batches,
@@ -23,9 +23,9 @@ from trace_lib.discover import (
     slug,
 )
 from trace_lib.io import read_jsonl, write_jsonl
-from trace_lib.llm import LLMClient, ledger_totals
+from trace_lib.analyst.llm import LLMClient, ledger_totals
 from trace_lib.records import Capability, Label, Trajectory
-from trace_lib.score import run_score, score_paths
+from trace_lib.analyst.score import run_score, score_paths
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,20 @@ import pytest
 import torch
 
 from toy import KVEnv, kv_task
-from trace_lib.budget import RolloutLedger
-from trace_lib.compose import merge_label
+from trace_lib.training.budget import RolloutLedger
+from trace_lib.routing.compose import merge_label
 from trace_lib.config import Params, RolloutConfig
-from trace_lib.eval_gepa import RULES_REASON, gepa_status
-from trace_lib.eval_inputs import adapter_budget, find_adapters, ledger_path, trace_budget
-from trace_lib.eval_report import MethodRun, markdown, routing_table, summarize_runs, table1, table1_long
-from trace_lib.evaluate import (
+from trace_lib.evaluation.gepa import RULES_REASON, gepa_status
+from trace_lib.evaluation.inputs import adapter_budget, find_adapters, ledger_path, trace_budget
+from trace_lib.evaluation.tables import MethodRun, markdown, routing_table, summarize_runs, table1, table1_long
+from trace_lib.evaluation.runner import (
     EvaluateConfig, evaluate_policy, interference_matrix, oracle_decisions, route_all, route_groups,
     routing_quality, with_top_p,
 )
 from trace_lib.io import write_json
-from trace_lib.policy import load_policy
+from trace_lib.agent.policy import load_policy
 from trace_lib.records import AdapterManifest, Message, Task, Trajectory, UserScenario
-from trace_lib.route import RouteCandidate, RouteDecision
+from trace_lib.routing.route import RouteCandidate, RouteDecision
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
 
@@ -112,7 +112,7 @@ def test_evaluate_policy_labels_groups_and_restores_base(policy):
 
 def test_memo_shares_greedy_episodes_between_methods(policy, monkeypatch):
     """With a memo, a (task, weights) pair decodes once: routing a task to 'a' reuses `single a`'s episode."""
-    import trace_lib.evaluate as ev
+    import trace_lib.evaluation.runner as ev
 
     calls: list[list[str]] = []
     real = ev.collect_rollouts
@@ -301,7 +301,7 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     """The whole stage on 2 retail test tasks with two (random) capability adapters and no synthetic envs."""
     import shutil
 
-    from trace_lib.evaluate import run_evaluate
+    from trace_lib.evaluation.runner import run_evaluate
 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     for cap, src in (("precondition_verification", "a"), ("structured_data_reasoning", "b")):

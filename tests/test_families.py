@@ -6,7 +6,6 @@ from trace_lib.config import EnvConfig
 from trace_lib.envs.families import (
     CAPABILITY_TAGS,
     FAMILIES,
-    build_family_tasks,
     core_tool_names,
     family_names,
     make_family_tasks,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_lib.chat import parse_assistant, render_call
-from trace_lib.grammar import call_schema, compile_tool_grammar, make_tool_call_processor
-from trace_lib.policy import load_policy
+from trace_lib.agent.chat import parse_assistant, render_call
+from trace_lib.agent.grammar import call_schema, compile_tool_grammar, make_tool_call_processor
+from trace_lib.agent.policy import load_policy
 from trace_lib.records import Message, ToolCall
 
 TOOLS = [

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from trace_lib.kvcache import BufferedLayer, cascade_attention, shared_prefix
+from trace_lib.agent.kvcache import BufferedLayer, cascade_attention, shared_prefix
 
 
 class _Layer:

@@ -11,12 +11,12 @@ matplotlib.use("Agg")
 
 import pytest
 
-from trace_lib.plots_train import (CSV_COLUMNS, base_pass_rate, curves_against_base, train_log_csv,
+from trace_lib.plots.train import (CSV_COLUMNS, base_pass_rate, curves_against_base, train_log_csv,
                                    training_curves, write_train_csvs)
 
 
 def log_row(iteration: int, success: float, reward: float | None = None, **kw) -> dict:
-    """A train_log.jsonl row as trace_lib.train writes it (beta = 0: TRL logs no kl)."""
+    """A train_log.jsonl row as trace_lib.training.trainer writes it (beta = 0: TRL logs no kl)."""
     row = {"iteration": iteration, "rollouts": 8 * iteration, "reward": success if reward is None else reward,
            "reward_std": 0.46291, "success_rate": success, "frac_reward_zero_std": 0.5, "tool_calls": 2.75,
            "tool_calls_correct": 1.0, "l_t": None, "completion_tokens": 1404, "completion_length": 175.5,

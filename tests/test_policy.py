@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from trace_lib.kvcache import shared_prefix
-from trace_lib.policy import Generation, load_policy, sample_tokens
+from trace_lib.agent.kvcache import shared_prefix
+from trace_lib.agent.policy import Generation, load_policy, sample_tokens
 from trace_lib.records import Message
 
 TOOLS = [{"type": "function", "function": {

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trace_lib.config import params_from_dict
-from trace_lib.prepare_model import (
+from trace_lib.agent.model import (
     main,
     prepare_model,
     resolve_model,
@@ -34,7 +34,7 @@ def test_local_folder_gets_a_pointer(tiny_model_dir, tmp_path):
 
 
 def test_pointer_loads_as_a_policy(tiny_model_dir, tmp_path):
-    from trace_lib.policy import load_policy
+    from trace_lib.agent.policy import load_policy
 
     out = resolve_model(str(tiny_model_dir), tmp_path / "model", "float32")
     assert load_policy(out).policy_id == tiny_model_dir.name
@@ -65,8 +65,8 @@ def test_bad_inputs_fail_clearly(tmp_path):
 
 @pytest.mark.slow
 def test_gguf_round_trip_is_reproducible(smollm2_dir, tmp_path):
-    from trace_lib.chat import tool_chat_template
-    from trace_lib.policy import load_policy
+    from trace_lib.agent.chat import tool_chat_template
+    from trace_lib.agent.policy import load_policy
     from trace_lib.records import Message
 
     info = json.loads((smollm2_dir / "model.json").read_text())

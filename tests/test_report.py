@@ -16,7 +16,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from trace_lib.report import export_notebooks, git_commit, lock_digest, markdown_html, run_report, table_order
+from trace_lib.stages.report import export_notebooks, git_commit, lock_digest, markdown_html, run_report, table_order
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE1 = "# Table 1\n\nSuccess rate (%).\n\n| method | retail |\n| --- | --- |\n| base | 24.0 |\n| TRACE | 44.0 |\n"

@@ -11,10 +11,9 @@ from trace_lib.envs.retail import (
     RetailEnv,
     build_env,
     load_base_db,
-    normalize_text,
-    output_found,
     retail_tool_specs,
 )
+from trace_lib.envs.said import normalize_text, output_found
 from trace_lib.records import Message, Task, ToolCall
 
 WRITE_FAMILIES = ["cancel_pending", "change_address", "return_item"]

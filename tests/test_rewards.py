@@ -3,7 +3,7 @@
 import pytest
 
 from trace_lib.config import ConfigError, RewardConfig, params_from_dict
-from trace_lib.rewards import EfficiencyReward, EnvReward, make_reward
+from trace_lib.training.rewards import EfficiencyReward, EnvReward, make_reward
 
 
 def eff(**kw) -> EfficiencyReward:

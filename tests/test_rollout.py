@@ -3,7 +3,7 @@
 from trace_lib.config import RolloutConfig
 from trace_lib.envs.base import Environment
 from trace_lib.records import Message
-from trace_lib.rollout import collect_rollouts, summarize
+from trace_lib.agent.rollout import collect_rollouts, summarize
 
 from toy import KVEnv, ScriptedPolicy, kv_task
 

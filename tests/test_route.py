@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from trace_lib.policy import load_policy
+from trace_lib.agent.policy import load_policy
 from trace_lib.records import Capability, Message, Task, Trajectory, UserScenario
-from trace_lib.route import (
+from trace_lib.routing.route import (
     ANSWER_PREFIX, RetrievalIndex, RouteCandidate, RouteDecision, candidates_for, label_probabilities,
     label_token_ids, make_candidate, oracle_route, random_route, render_route_prompt, retrieval_items,
     route_argmax, route_labels, route_prompt, route_task, route_tasks, route_top_p, task_opening,

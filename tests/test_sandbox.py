@@ -1,4 +1,4 @@
-"""trace_lib.sandbox: static checks, and the worker process's defenses.
+"""trace_lib.synth.sandbox: static checks, and the worker process's defenses.
 
 The process tests load `synth_fixtures/probe_host.py` (hostile on purpose) with `trusted=True`, so
 they exercise the process-level fences without the static check or the builtins fence in front.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trace_lib.config import ValidationConfig
-from trace_lib.sandbox import (
+from trace_lib.synth.sandbox import (
     ALLOWED_IMPORTS,
     SandboxError,
     SandboxLimits,
@@ -115,7 +115,7 @@ def test_child_env_drops_secrets_and_proxies():
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and env["PYTHONHASHSEED"] == "0"
     assert env["HOME"] == env["TMPDIR"] == "/tmp/s"
     assert not {"ANTHROPIC_API_KEY", "HF_TOKEN", "HTTPS_PROXY", "http_proxy", "AWS_SECRET_ACCESS_KEY"} & set(env)
-    assert Path(env["PYTHONPATH"], "trace_lib", "sandbox.py").is_file()
+    assert Path(env["PYTHONPATH"], "trace_lib", "synth", "sandbox.py").is_file()
 
 
 def test_nproc_limit_only_where_the_kernel_enforces_it():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from trace_lib.config import ScoreConfig, params_from_dict
-from trace_lib.llm import LLMError
+from trace_lib.analyst.llm import LLMError
 from trace_lib.records import Capability, Label, Message, Task, Trajectory, UserScenario
-from trace_lib.score import (
+from trace_lib.analyst.score import (
     consensus,
     contrast,
     ground_truth_metrics,
@@ -239,7 +239,7 @@ def test_k_keep_above_n_runs_is_a_config_error():
 
 
 def test_score_figures_and_table():
-    from trace_lib.plots_score import delta_coverage, error_rate_bars, scores_table, stability
+    from trace_lib.plots.score import delta_coverage, error_rate_bars, scores_table, stability
 
     trajs, labels = dataset("PPPPPPPPLN", "LLLLLLPPNN", cid="strong")
     _, weak = dataset("LPPPPPPPLN", "LPPPPPPPNN", cid="weak")

@@ -20,8 +20,12 @@ from trace_lib.envs.base import Environment, ToolSpec, UserTurn
 from trace_lib.envs.families import CAPABILITY_TAGS, user_split
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
-from trace_lib.synth_templates import (
-    DIFFICULTY, BoundTemplate, _tau2_test_users, bind_template, render_template_module, template_capabilities,
+from trace_lib.synth.template_kit import DIFFICULTY, _tau2_test_users
+from trace_lib.synth.templates import (
+    BoundTemplate,
+    bind_template,
+    render_template_module,
+    template_capabilities,
 )
 
 TARGETS = [{"name": "retail", "tools": "core"}, {"name": "tau2-retail"}]

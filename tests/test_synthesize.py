@@ -10,9 +10,9 @@ from test_llm import FakeMessagesAPI, _message
 
 from trace_lib.config import params_from_dict
 from trace_lib.io import read_json, write_jsonl
-from trace_lib.llm import LLMClient
+from trace_lib.analyst.llm import LLMClient
 from trace_lib.records import Capability
-from trace_lib.synthesize import (
+from trace_lib.synth.synthesize import (
     extract_module,
     feedback_message,
     resolve_synth_backend,

@@ -300,7 +300,7 @@ def test_build_env_and_errors(tmp_path, tasks):
 
 # --- through the rollout stage ------------------------------------------------------------------
 class GoldPolicy:
-    """A Generator for trace_lib.rollout that plays each τ² task's gold actions, then says its outputs."""
+    """A Generator for trace_lib.agent.rollout that plays each τ² task's gold actions, then says its outputs."""
 
     policy_id = "gold"
 
@@ -324,7 +324,7 @@ class GoldPolicy:
 
 def test_rollout_stage_runs_tau2_tasks():
     from trace_lib.config import RolloutConfig
-    from trace_lib.rollout import collect_rollouts, select_tasks
+    from trace_lib.agent.rollout import collect_rollouts, select_tasks
 
     env_cfg = cfg("retail")
     chosen = select_tasks(env_cfg, RolloutConfig(split="test", max_tasks=3))

@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trace_lib.budget import RolloutLedger
+from trace_lib.training.budget import RolloutLedger
 from trace_lib.config import TrainConfig
-from trace_lib.grpo import (TRUNCATION_MARK, AgentRollout, Episode, TrainSource, drop_masked_rows, loss_mask,
+from trace_lib.training.grpo import (TRUNCATION_MARK, AgentRollout, Episode, TrainSource, drop_masked_rows, loss_mask,
                             trajectory_reward)
-from trace_lib.policy import Policy
-from trace_lib.rewards import make_reward
-from trace_lib.train import (group_sources, load_trainable, lora_config, read_train_log, resolve_train_backend,
+from trace_lib.agent.policy import Policy
+from trace_lib.training.rewards import make_reward
+from trace_lib.training.trainer import (group_sources, load_trainable, lora_config, read_train_log, resolve_train_backend,
                              train_adapter, train_adapter_mixture, train_dataset)
 
 from toy import KVEnv, PickEnv, kv_task, pick_tasks
@@ -343,7 +343,7 @@ def test_same_seed_same_bytes_and_resume_matches_a_straight_run(tiny_model_dir, 
 
 
 def test_a_crash_while_writing_the_adapter_resumes_without_retraining(tiny_model_dir, tmp_path, monkeypatch):
-    import trace_lib.train as train_mod
+    import trace_lib.training.trainer as train_mod
 
     def boom(tmp, out_dir):
         raise OSError("disk full")

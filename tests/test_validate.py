@@ -1,4 +1,4 @@
-"""trace_lib.validate and trace_lib.envs.synthetic on the modules in tests/synth_fixtures.
+"""trace_lib.synth.validate and trace_lib.envs.synthetic on the modules in tests/synth_fixtures.
 
 Every validate_env run and the shared `good_box` start one sandbox worker (~1-2 s each); the static
 rejections start none.
@@ -27,8 +27,8 @@ from trace_lib.envs.synthetic import (
     trl_rows,
 )
 from trace_lib.records import Message, ToolCall
-from trace_lib.sandbox import SandboxError, SandboxProcess, limits_from_config
-from trace_lib.validate import ValidationReport, action_message, first_difference, validate_env
+from trace_lib.synth.sandbox import SandboxError, SandboxProcess, limits_from_config
+from trace_lib.synth.validate import ValidationReport, action_message, first_difference, validate_env
 
 FIXTURES = Path(__file__).parent / "synth_fixtures"
 TARGET = EnvConfig(name="retail", tools="core")

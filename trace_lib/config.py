@@ -87,7 +87,7 @@ class RolloutConfig(Section):
 
 
 class AnalystConfig(Section):
-    """The analyst behind discover and score (trace_lib.llm); same prompts whatever the backend."""
+    """The analyst behind discover and score (trace_lib.analyst.llm); same prompts whatever the backend."""
 
     backend: Literal["auto", "anthropic", "local", "rules"] = "auto"
     """'auto': anthropic when ANTHROPIC_API_KEY is set, else the offline rules analyst (detectors)."""
@@ -157,7 +157,7 @@ class ScoreConfig(Section):
 
 
 class ValidationConfig(Section):
-    """Sandboxed checks every synthesized environment must pass (trace_lib.validate)."""
+    """Sandboxed checks every synthesized environment must pass (trace_lib.synth.validate)."""
 
     n_seeds: int = Field(8, ge=2)
     """Seeds on which determinism, diversity and the reference / do-nothing / random policies run."""

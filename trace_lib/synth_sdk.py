@@ -1,4 +1,4 @@
-"""What a synthesized environment module may import: the target's tools, run on a private world.
+"""The public contract of synthesized environment modules: the one trace module they may import.
 
 Read by synthetic environment modules (`data/envs/<capability>/env.py`) inside the sandbox; writes
 nothing. Paper §3.2: a synthetic environment exposes the SAME tools as the target, so a LoRA adapter
@@ -6,7 +6,7 @@ trained on it acts on the real target without any interface shift. Rather than r
 tools (and drifting from them), a module builds a `TargetWorld`: τ²-bench's own tool implementations
 over a private copy of the target's database, with schemas read from the target at run time.
 
-The module contract (checked by `trace_lib.validate.validate_env`, driven through
+The module contract (checked by `trace_lib.synth.validate.validate_env`, driven through
 `trace_lib.envs.synthetic.SyntheticEnv`), all module-level names:
 
     CAPABILITY: str                      the capability id the environment trains
@@ -32,138 +32,27 @@ The module contract (checked by `trace_lib.validate.validate_env`, driven throug
                                          {"tool": name, "arguments": {...}} or {"say": text}
 
 A module rendered by the offline template synthesizer binds `template(CAPABILITY, TARGET)` and
-delegates each of these functions to the object it returns (`trace_lib.synth_templates`).
+delegates each of these functions to the object it returns (`trace_lib.synth.templates`).
 
-Only the standard-library modules in `trace_lib.sandbox.ALLOWED_IMPORTS`, this module and τ²-bench's
+Only the standard-library modules in `trace_lib.synth.sandbox.ALLOWED_IMPORTS`, this module and τ²-bench's
 domain packages may be imported by a module; the sandbox checks that before running anything.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
+from trace_lib.synth import templates
+from trace_lib.synth.world import (
+    TargetWorld, ToolError, gold_db_hash, gold_world, same_db, said, target_db, target_tool_kinds,
+    target_tool_schemas, tool_calls,
+)
 
-class ToolError(Exception):
-    """A tool refused the call (unknown id, wrong status, bad arguments); the text is the observation."""
-
-
-def _retail():
-    from trace_lib.envs import retail
-
-    return retail
-
-
-def _check_target(target: dict[str, Any]) -> tuple[str, str]:
-    name = target.get("name")
-    tools = target.get("tools", "core")
-    if name == "retail":
-        return name, tools
-    if name == "tau2-retail":
-        return name, "all"
-    raise ValueError(f"synth_sdk: target {name!r} is not supported; 'retail' and 'tau2-retail' are")
+__all__ = ["TargetWorld", "ToolError", "gold_db_hash", "gold_world", "same_db", "said", "target_db",
+           "target_tool_kinds", "target_tool_schemas", "template", "tool_calls"]
 
 
-@lru_cache(maxsize=None)
-def _specs(name: str, tools: str) -> tuple:
-    # Cached: building τ²'s tool objects parses every docstring (~35 ms), and a world is made per episode.
-    if name == "tau2-retail":  # τ²-bench shows the agent whole docstrings; the built-in target one sentence
-        from trace_lib.envs import tau2
-
-        return tuple(tau2.tool_specs("retail"))
-    return tuple(_retail().retail_tool_specs(tools))
-
-
-def target_tool_schemas(target: dict[str, Any]) -> list[dict[str, Any]]:
-    """The target's tool schemas, exactly as the agent sees them on the target."""
-    return [spec.to_schema() for spec in _specs(*_check_target(target))]
-
-
-def target_tool_kinds(target: dict[str, Any]) -> dict[str, str]:
-    """Tool name -> 'read' / 'write' / 'generic', as on the target."""
-    return {spec.name: spec.kind for spec in _specs(*_check_target(target))}
-
-
-def target_db(target: dict[str, Any]):
-    """The target's pristine database (τ²'s RetailDB): read it, never mutate it."""
-    _check_target(target)
-    return _retail().load_base_db()
-
-
-class TargetWorld:
-    """τ²'s tools on a private copy-on-write copy of the target database (one per episode)."""
-
-    def __init__(self, target: dict[str, Any]) -> None:
-        name, tools = _check_target(target)
-        retail = _retail()
-        self._retail = retail
-        self._session = retail._Session()
-        self._names = {spec.name for spec in _specs(name, tools)}
-        self.calls: list[dict[str, Any]] = []
-        """Every call made, in order: {"name", "arguments", "ok"}."""
-
-    @property
-    def db(self):
-        return self._session.db
-
-    def call(self, name: str, arguments: dict[str, Any]) -> str:
-        """Run `name(**arguments)` with τ²'s implementation; raise ToolError on refusal."""
-        from trace_lib.records import ToolCall
-
-        if name not in self._names:
-            self.calls.append({"name": name, "arguments": arguments, "ok": False})
-            raise ToolError(f"Tool '{name}' not found.")
-        text, is_error = self._retail.execute_call(self._session, ToolCall(name=name, arguments=arguments))
-        self.calls.append({"name": name, "arguments": arguments, "ok": not is_error})
-        if is_error:
-            raise ToolError(text.removeprefix("Error: "))
-        return text
-
-    def db_hash(self) -> str:
-        return self._session.db_hash()
-
-
-def gold_world(target: dict[str, Any], gold_actions: list[dict[str, Any]]) -> TargetWorld:
-    """A fresh world after replaying `gold_actions` ({name, arguments}); refused calls are skipped."""
-    world = TargetWorld(target)
-    for action in gold_actions:
-        try:
-            world.call(action["name"], action.get("arguments", {}))
-        except ToolError:
-            pass
-    return world
-
-
-def gold_db_hash(target: dict[str, Any], gold_actions: list[dict[str, Any]]) -> str:
-    """Hash of the target database after replaying `gold_actions` ({name, arguments}) on a fresh world."""
-    return gold_world(target, gold_actions).db_hash()
-
-
-def same_db(a: TargetWorld, b: TargetWorld) -> bool:
-    """Whether two worlds' databases are equal, as equal `db_hash`es would say, but ~30x faster:
-    rows neither world wrote are the shared pristine rows, so only the written ones are compared."""
-    rows = a._session.owned | b._session.owned
-    return all(getattr(a.db, table)[key] == getattr(b.db, table)[key] for table, key in rows)
-
-
-def template(capability: str, target: dict[str, Any]):
+def template(capability: str, target: dict[str, Any]) -> templates.BoundTemplate:
     """The offline template synthesizer's environment for `capability` on `target`: an object whose
-    methods are the contract's functions (`trace_lib.synth_templates.BoundTemplate`). Imported lazily
-    from here because a synthesized module may import no other trace module."""
-    from trace_lib import synth_templates
-
-    return synth_templates.bind_template(capability, target)
-
-
-def said(trajectory: dict[str, Any], needle: str) -> bool:
-    """Whether the agent told the user `needle` (the target's COMMUNICATE matching rules)."""
-    texts = [m.get("content", "") for m in trajectory.get("messages", [])
-             if m.get("role") == "assistant" and not m.get("tool_calls") and not m.get("invalid")]
-    return _retail().output_found(needle, texts)
-
-
-def tool_calls(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
-    """The agent's tool calls in order: {"name", "arguments"}."""
-    return [{"name": c.get("name"), "arguments": c.get("arguments", {})}
-            for m in trajectory.get("messages", []) if m.get("role") == "assistant"
-            for c in m.get("tool_calls", [])]
+    methods are the contract's functions (`trace_lib.synth.templates.BoundTemplate`)."""
+    return templates.bind_template(capability, target)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from trace_lib.envs.said import texts_said
 from trace_lib.records import Message, Task, ToolCall
 
 ToolKind = Literal["read", "write", "generic"]
@@ -190,5 +191,5 @@ class Environment(ABC):
     def agent_texts(self) -> list[str]:
         """Everything the agent said to the user so far (for COMMUNICATE-style checks)."""
         st = self._require_state()
-        return [m.content for m in st.messages if m.role == "assistant" and not m.tool_calls and m.invalid is None]
+        return texts_said(st.messages)
 

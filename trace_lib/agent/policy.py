@@ -1,0 +1,408 @@
+"""The agent policy: an HF causal LM (+ optional LoRA adapters) that answers batches of episodes.
+
+Reads a model folder written by `prepare_model` (or any local HF folder / hub id) and optional PEFT
+adapter folders written by the train stage; writes nothing. Implements the paper's policy π (the
+base agent of §2 that produces D+ and D-, and the adapter-equipped agent of §3.4 evaluated with a
+chosen adapter or none).
+
+`Policy.generate` decodes one agent turn for many conversations at once with its own loop
+(instead of `model.generate`) because three things matter on a 2-core CPU:
+
+* prefix caching: every episode of an environment starts with the same system turn (tool list
+  first, see chat.py). Its KV states are computed once (batch 1) and kept across calls (keyed by
+  tokens and adapter). The padding goes between that prefix and each row's own suffix, with the
+  attention mask zero there and position ids from the mask's cumsum, which is exactly the
+  unpadded computation. With the default `cascade` attention (kvcache.py) the prefix is never
+  copied into the rows; with other attention implementations it is;
+* a preallocated KV buffer (no `torch.cat` of the whole cache at every step);
+* finished rows leave the batch, so a batch costs what its live rows cost.
+
+Sampling draws from one `torch.Generator` per row seeded by (seed, row), so a row's tokens do
+not depend on which other rows share its batch; temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.cache_utils import DynamicCache
+
+from trace_lib.agent.chat import parse_assistant, render_prompt, tool_chat_template
+from trace_lib.io import read_json
+from trace_lib.agent.kvcache import CASCADE, new_cache, shared_prefix, supports_cascade
+from trace_lib.records import Message
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_PREFIX_TOKENS = 16
+"""Shorter shared prefixes are not worth a separate forward pass."""
+
+
+@dataclass
+class Generation:
+    text: str
+    """Decoded completion without the stop token."""
+    message: Message
+    """`text` parsed by chat.parse_assistant (tool calls, content, or invalid)."""
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str = "stop"
+    """'stop' (end-of-turn token) or 'length' (max_new_tokens reached)."""
+
+
+@dataclass
+class GenerationStats:
+    """Running totals since the policy was loaded (for tokens/s metrics)."""
+
+    calls: int = 0
+    sequences: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV states came from the prefix cache (not recomputed)."""
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def completion_tokens_per_second(self) -> float:
+        total = self.prefill_seconds + self.decode_seconds
+        return self.completion_tokens / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**self.__dict__, "completion_tokens_per_second": self.completion_tokens_per_second}
+
+
+def _row_generators(seed: int, n: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed((seed * 1_000_003 + i) % (2**63)) for i in range(n)]
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row: greedy at temperature 0, else nucleus sampling with each row's generator."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
+
+
+class Policy:
+    """A causal LM with the trace chat format, optional named LoRA adapters and batched decoding."""
+
+    def __init__(self, model: Any, tokenizer: Any, base_id: str, *, prefix_cache: bool = True) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.base_id = base_id
+        self.prefix_cache = prefix_cache
+        self.adapter: str | None = None
+        self.stats = GenerationStats()
+        self.grammar_options: dict[str, Any] = {}
+        """Extra options for constrained decoding (see grammar.tool_turn_grammar)."""
+        self._prefixes: dict[tuple[str | None, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.stop_ids = _stop_token_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self._turn_end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    # --- adapters -----------------------------------------------------------------------------
+    @property
+    def adapters(self) -> list[str]:
+        return sorted(getattr(self.model, "peft_config", {}) or {})
+
+    def set_adapter(self, name: str | None) -> None:
+        """Activate a loaded adapter by name; None runs the base model."""
+        if name is not None:
+            if name not in self.adapters:
+                raise ValueError(f"unknown adapter {name!r}; loaded: {self.adapters or 'none'}")
+            self.model.set_adapter(name)
+        self.adapter = name
+
+    @property
+    def policy_id(self) -> str:
+        return self.base_id if self.adapter is None else f"{self.base_id}+{self.adapter}"
+
+    def clear_prefix_cache(self) -> None:
+        """Drop the cached prefix KV states; call after the weights change (e.g. a training step)."""
+        self._prefixes.clear()
+
+    def _adapter_context(self):
+        if self.adapter is None and self.adapters:
+            return self.model.disable_adapter()
+        return nullcontext()
+
+    # --- text helpers -------------------------------------------------------------------------
+    def render(self, messages: list[Message], tools: list[dict[str, Any]]) -> str:
+        return render_prompt(self.tokenizer, messages, tools)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    # --- generation ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        conversations: list[list[Message]],
+        tools: list[dict[str, Any]],
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        seed: int = 0,
+        constrained: bool = False,
+        require_tool_call: bool | list[bool] = False,
+    ) -> list[Generation]:
+        """One agent turn for each conversation, decoded as one batch.
+
+        With `constrained`, `require_tool_call` (one flag, or one per conversation) forbids a plain
+        message on those rows, like `tool_choice="required"` in chat APIs.
+        """
+        if not conversations:
+            return []
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompts = [self.encode(self.render(conv, tools)) for conv in conversations]
+        processor = None
+        if constrained:
+            from trace_lib.agent.grammar import make_tool_call_processor  # xgrammar is imported only when used
+
+            options = dict(self.grammar_options)
+            if require_tool_call is not False:  # an explicit per-call choice wins over the default
+                options["require_tool_call"] = require_tool_call
+            processor = make_tool_call_processor(
+                self.tokenizer, tools, len(prompts), vocab_size=self._vocab_size(), **options
+            )
+        tokens, finish = self.generate_ids(
+            prompts, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+            seed=seed, processor=processor,
+        )
+        out = []
+        for conv, prompt, toks, why in zip(conversations, prompts, tokens, finish):
+            text = self.tokenizer.decode([t for t in toks if t not in self.stop_ids], skip_special_tokens=False)
+            turn = sum(1 for m in conv if m.role == "assistant")
+            out.append(Generation(text, parse_assistant(text, tools, turn=turn), len(prompt), len(toks), why))
+        return out
+
+    def _vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @torch.inference_mode()
+    def generate_ids(
+        self,
+        prompts: list[list[int]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+        processor: Any = None,
+        use_prefix_cache: bool | None = None,
+    ) -> tuple[list[list[int]], list[str]]:
+        """Token-level batched decoding; returns each row's new tokens (stop token included) and finish reason."""
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        use_prefix = self.prefix_cache if use_prefix_cache is None else use_prefix_cache
+        with self._adapter_context():
+            prefix_len, prefix_kv = self._prefix_for(prompts) if use_prefix else (0, None)
+        cascade = prefix_kv is not None and supports_cascade(self.model)
+        with self._adapter_context(), shared_prefix(prefix_kv if cascade else None):
+            return self._decode(prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens,
+                                seed, processor, t0)
+
+    def _decode(self, prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens, seed,
+                processor, t0):
+        logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade)
+        t1 = time.perf_counter()
+
+        n = len(prompts)
+        rows = list(range(n))  # batch position -> original row
+        gens = _row_generators(seed, n)
+        outs: list[list[int]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        positions = mask.sum(dim=-1)  # next position id of each row
+        stop = torch.tensor(self.stop_ids)
+        generated = torch.empty(n, 0, dtype=torch.long)
+        for step in range(max_new_tokens):
+            if processor is not None:
+                logits = processor(generated, logits)
+            tok = sample_tokens(logits, temperature, top_p, gens)
+            generated = torch.cat([generated, tok[:, None]], dim=1)
+            done = torch.isin(tok, stop)
+            for j, r in enumerate(rows):
+                outs[r].append(int(tok[j]))
+                if done[j]:
+                    finish[r] = "stop"
+            if step == max_new_tokens - 1 or bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().flatten()
+                rows = [rows[j] for j in keep.tolist()]
+                gens = [gens[j] for j in keep.tolist()]
+                tok, mask, positions, generated = tok[keep], mask[keep], positions[keep], generated[keep]
+                cache.batch_select_indices(keep)
+                if processor is not None:
+                    processor.select_rows(keep.tolist())
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            out = self.model(
+                input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
+                position_ids=positions[:, None],
+                past_key_values=cache, use_cache=True,
+            )
+            positions = positions + 1
+            logits = out.logits[:, -1, :].float()
+        t2 = time.perf_counter()
+        self.stats.calls += 1
+        self.stats.sequences += n
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.cached_prompt_tokens += prefix_len * n
+        self.stats.completion_tokens += sum(len(o) for o in outs)
+        self.stats.prefill_seconds += t1 - t0
+        self.stats.decode_seconds += t2 - t1
+        return outs, finish
+
+    def _prefix_for(self, prompts: list[list[int]]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """The shared prefix (length, per-layer K/V of batch 1), reused across calls when it matches."""
+        shortest = min(len(p) for p in prompts)
+        for (adapter, ids), kv in self._prefixes.items():
+            if adapter == self.adapter and len(ids) < shortest and all(tuple(p[: len(ids)]) == ids for p in prompts):
+                return len(ids), kv
+        # New prefix: the common tokens, cut after the first turn so it stays stable across turns,
+        # and leaving every row at least one token to compute logits from.
+        lcp = 0
+        first = prompts[0]
+        while lcp < shortest - 1 and all(p[lcp] == first[lcp] for p in prompts):
+            lcp += 1
+        if self._turn_end_id in first[:lcp]:
+            lcp = min(lcp, first.index(self._turn_end_id) + 1)
+        if lcp < MIN_PREFIX_TOKENS:
+            return 0, None
+        ids = tuple(first[:lcp])
+        cache = DynamicCache()
+        self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        if len(self._prefixes) >= 4:  # a handful of environments/adapters at a time
+            self._prefixes.pop(next(iter(self._prefixes)))
+        self._prefixes[(self.adapter, ids)] = kv
+        return lcp, kv
+
+    def _prefill(self, prompts, prefix_len, prefix_kv, max_new_tokens, cascade=False):
+        """Run the prompts' uncached parts; returns last-token logits, the cache and the 2D mask."""
+        n = len(prompts)
+        suffixes = [p[prefix_len:] for p in prompts]
+        width = max(len(s) for s in suffixes)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(n, prefix_len + width, dtype=torch.long)
+        mask[:, :prefix_len] = 1
+        for i, s in enumerate(suffixes):
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, prefix_len + width - len(s):] = 1
+        if cascade:  # the prefix stays shared (kvcache.cascade_attention), rows hold their suffix only
+            cache = new_cache(self.model, width + max_new_tokens, offset=prefix_len)
+        else:
+            cache = new_cache(self.model, prefix_len + width + max_new_tokens)
+        if prefix_kv is not None and not cascade:
+            for layer_idx, (k, v) in enumerate(prefix_kv):
+                cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer_idx)
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)[:, prefix_len:]
+        out = self.model(
+            input_ids=ids, attention_mask=_causal_4d(mask, prefix_len) if cascade else mask, position_ids=positions,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float(), cache, mask
+
+
+def _causal_4d(mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """(batch, 1, query, key) boolean mask for the prefill of the positions after `prefix_len`.
+
+    Built here rather than by transformers because the cascade attention needs it explicit
+    (transformers does not build masks for custom attention functions reliably across versions).
+    """
+    total = mask.shape[1]
+    q = torch.arange(prefix_len, total)[:, None]
+    causal = torch.arange(total)[None, :] <= q
+    return causal[None, None] & mask.bool()[:, None, None, :]
+
+
+def _stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    vocab = tokenizer.get_vocab()
+    for tok in ("<|im_end|>", "<|endoftext|>"):
+        if tok in vocab:
+            ids.append(int(vocab[tok]))
+    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+    for tid in eos if isinstance(eos, list) else [eos]:
+        if tid is not None and tid not in ids:
+            ids.append(int(tid))
+    if not ids:
+        raise ValueError("the tokenizer has no end-of-turn or EOS token to stop on")
+    return ids
+
+
+def resolve_model_path(model_dir: str | Path) -> tuple[str, str]:
+    """(path or hub id to load, base id) for a prepared folder, a plain HF folder, or a hub id."""
+    path = Path(model_dir)
+    manifest = path / "model.json"
+    if manifest.is_file():
+        info = read_json(manifest)
+        target = info.get("path", ".")
+        load = str(path) if target in (".", "", None) else str(target)
+        return load, str(info.get("model_id") or info.get("source") or path.name)
+    return str(model_dir), path.name if path.exists() else str(model_dir)
+
+
+def load_policy(
+    model_dir: str | Path,
+    dtype: str = "float32",
+    adapters: dict[str, str] | None = None,
+    policy_id: str | None = None,
+    *,
+    threads: int = 0,
+    attn_implementation: str = "cascade",
+    prefix_cache: bool = True,
+) -> Policy:
+    """Load a causal LM (+ named LoRA adapters) as a Policy; the base model is active after loading.
+
+    `attn_implementation`: 'cascade' (sdpa, plus kvcache.cascade_attention for the shared prompt
+    prefix on CPU), or any transformers name ('sdpa', 'eager', ...).
+    """
+    if threads > 0:
+        torch.set_num_threads(threads)
+    load, base_id = resolve_model_path(model_dir)
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(load)
+        model = AutoModelForCausalLM.from_pretrained(
+            load, dtype="auto" if dtype == "auto" else _DTYPES[dtype],
+            attn_implementation="sdpa" if attn_implementation == "cascade" else attn_implementation,
+        )
+    except OSError as err:
+        raise OSError(
+            f"could not load model {load!r}: {err}. Pass a local HF folder (or run prepare_model); "
+            "hub ids only work where the hub is reachable."
+        ) from err
+    if attn_implementation == "cascade" and model.device.type == "cpu":
+        model.set_attn_implementation(CASCADE)
+    if tokenizer.chat_template != tool_chat_template():
+        tokenizer.chat_template = tool_chat_template()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if adapters:
+        from peft import PeftModel
+
+        items = sorted(adapters.items())
+        model = PeftModel.from_pretrained(model, items[0][1], adapter_name=items[0][0])
+        for name, path in items[1:]:
+            model.load_adapter(path, adapter_name=name)
+    return Policy(model, tokenizer, policy_id or base_id, prefix_cache=prefix_cache)

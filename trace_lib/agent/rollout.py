@@ -1,0 +1,227 @@
+"""Rollout stage: the base agent on the target environment's train split (paper §3.1, first step).
+
+Reads params.yaml (sections `model`, `env`, `rollout`) and the prepared model folder; writes
+`data/rollouts/<split>.jsonl` (Trajectory records, sorted by id, no timings so the bytes repeat),
+`reports/metrics/rollout.json` (success rate with 95% CI, per family, tool calls, invalid-action rate,
+tokens/s) and the per-family table the notebook draws.
+
+Episodes run concurrently: a pool of `batch_size` live episodes is decoded together, and a finished
+episode's slot is refilled from the queue, so the batch stays full until the queue runs dry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm.auto import tqdm
+
+from trace_lib.config import EnvConfig, Params, RolloutConfig
+from trace_lib.envs import make_env, make_tasks
+from trace_lib.envs.base import Environment, EpisodeState
+from trace_lib.io import write_json, write_jsonl
+from trace_lib.records import Message, Task, Trajectory
+from trace_lib.stats import wilson_interval
+
+
+class Generator(Protocol):
+    """What rollouts need from a policy (trace_lib.agent.policy.Policy satisfies it)."""
+
+    policy_id: str
+
+    def generate(self, conversations: list[list[Message]], tools: list[dict], *, temperature: float,
+                 top_p: float, max_new_tokens: int, seed: int, constrained: bool,
+                 require_tool_call: bool | list[bool] = False) -> list[Any]: ...
+
+
+@dataclass
+class _Episode:
+    task: Task
+    sample: int
+    env: Environment
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def state(self) -> EpisodeState:
+        """The environment's episode state: the conversation so far and its counters."""
+        assert self.env.state is not None, "episodes are created right after env.reset()"
+        return self.env.state
+
+
+@dataclass
+class RolloutTiming:
+    seconds: float = 0.0
+    generate_seconds: float = 0.0
+    completion_tokens: int = 0
+    episodes: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.generate_seconds if self.generate_seconds else 0.0
+
+
+def episode_queue(tasks: Sequence[Task], samples_per_task: int) -> list[tuple[Task, int]]:
+    """Every (task, sample index) pair in a fixed order."""
+    return [(task, s) for task in tasks for s in range(samples_per_task)]
+
+
+def _finish(ep: _Episode, policy_id: str, seed: int, adapter: str | None) -> Trajectory:
+    reward, info = ep.env.reward()
+    st = ep.state
+    return Trajectory(
+        id=f"{ep.task.id}#{ep.sample}", task_id=ep.task.id, env=ep.task.env, family=ep.task.family,
+        split=ep.task.split, policy_id=policy_id, adapter=adapter, seed=seed, sample=ep.sample,
+        messages=st.messages, reward=reward, success=reward >= 1.0, termination=st.termination or "",
+        tool_calls=st.tool_calls, invalid_actions=st.invalid_actions, tool_errors=st.tool_errors,
+        turns=st.steps, prompt_tokens=ep.prompt_tokens, completion_tokens=ep.completion_tokens,
+        reward_info=info,
+    )
+
+
+def collect_rollouts(
+    policy: Generator,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Task],
+    cfg: RolloutConfig,
+    seed: int,
+    adapter: str | None = None,
+    progress: bool = True,
+) -> tuple[list[Trajectory], RolloutTiming]:
+    """Run every task `cfg.samples_per_task` times; returns trajectories sorted by id and timings."""
+    queue = episode_queue(tasks, cfg.samples_per_task)
+    queue.reverse()  # pop() from the end keeps the original order
+    live: list[_Episode] = []
+    done: list[Trajectory] = []
+    timing = RolloutTiming(episodes=len(queue))
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(queue), desc="rollout", unit="episode", disable=not progress)
+    call = 0
+    while queue or live:
+        while queue and len(live) < cfg.batch_size:
+            task, sample = queue.pop()
+            env = env_factory()
+            env.reset(task)
+            live.append(_Episode(task, sample, env))
+        tools = live[0].env.tool_schemas()
+        g0 = time.perf_counter()
+        gens = policy.generate(
+            [ep.state.messages for ep in live], tools, temperature=cfg.temperature, top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + call, constrained=cfg.constrained,
+            require_tool_call=[must_call(cfg.tool_choice, ep.env) for ep in live],
+        )
+        timing.generate_seconds += time.perf_counter() - g0
+        call += 1
+        still: list[_Episode] = []
+        for ep, gen in zip(live, gens, strict=True):
+            msg = _with_call_ids(gen.message, ep.state.steps)
+            ep.prompt_tokens += gen.prompt_tokens
+            ep.completion_tokens += gen.completion_tokens
+            timing.completion_tokens += gen.completion_tokens
+            result = ep.env.step(msg)
+            if result.done:
+                done.append(_finish(ep, policy.policy_id, seed, adapter))
+                bar.update(1)
+            else:
+                still.append(ep)
+        live = still
+    bar.close()
+    timing.seconds = time.perf_counter() - t0
+    return sorted(done, key=lambda t: t.id), timing
+
+
+def must_call(tool_choice: str, env: Environment) -> bool:
+    """Whether the agent's next turn must be a tool call under `rollout.tool_choice`."""
+    if tool_choice == "required":
+        return True
+    return tool_choice == "first" and env.state is not None and env.state.steps == 0
+
+
+def _with_call_ids(msg: Message, turn: int) -> Message:
+    """Deterministic tool-call ids (call_<turn>_<i>) so tool results can point back at their call."""
+    if not msg.tool_calls:
+        return msg
+    calls = [c.model_copy(update={"id": f"call_{turn}_{i}"}) for i, c in enumerate(msg.tool_calls)]
+    return msg.model_copy(update={"tool_calls": calls})
+
+
+def _rate(k: int, n: int) -> dict[str, float]:
+    lo, hi = wilson_interval(k, n)
+    return {"n": n, "successes": k, "success_rate": k / n if n else 0.0, "ci_low": lo, "ci_high": hi}
+
+
+def summarize(trajectories: Sequence[Trajectory], group_by: str = "family") -> dict[str, Any]:
+    """Success rate with a 95% Wilson interval overall and per group, tool calls, invalid actions.
+
+    Samples of the same task are counted as separate episodes, so with several samples per task
+    the interval is narrower than a per-task interval would be.
+    """
+    groups: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        groups[str(getattr(t, group_by))].append(t)
+    turns = sum(t.turns for t in trajectories)
+    successes = [t for t in trajectories if t.success]
+    return {
+        **_rate(len(successes), len(trajectories)),
+        "mean_tool_calls": sum(t.tool_calls for t in trajectories) / max(1, len(trajectories)),
+        "mean_tool_calls_success": (sum(t.tool_calls for t in successes) / len(successes)) if successes else None,
+        "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(1, turns),
+        "tool_error_rate": sum(t.tool_errors for t in trajectories) / max(1, sum(t.tool_calls for t in trajectories)),
+        "terminations": dict(sorted(Counter(t.termination for t in trajectories).items())),
+        f"by_{group_by}": {g: _rate(sum(t.success for t in ts), len(ts)) for g, ts in sorted(groups.items())},
+    }
+
+
+def rollout_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
+    split = params.rollout.split
+    return {
+        "trajectories": root / "data" / "rollouts" / f"{split}.jsonl",
+        "metrics": root / "reports" / "metrics" / "rollout.json",
+    }
+
+
+def select_tasks(env_cfg: EnvConfig, cfg: RolloutConfig) -> list[Task]:
+    tasks = make_tasks(env_cfg, cfg.split)
+    return tasks[: cfg.max_tasks] if cfg.max_tasks else tasks
+
+
+def run_rollout(params: Params, model_dir: Path, root: Path = Path("."), progress: bool = True) -> dict[str, Any]:
+    """The whole stage: load policy and tasks, roll out, write trajectories and metrics."""
+    from trace_lib.agent.policy import load_policy  # heavy import, kept out of module import time
+
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
+                                "(dvc repro prepare_model)")
+
+    if params.rollout.threads:
+        import torch
+
+        torch.set_num_threads(params.rollout.threads)
+    tasks = select_tasks(params.env, params.rollout)
+    if not tasks:
+        raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")
+    policy = load_policy(model_dir, dtype=params.model.dtype)
+    trajectories, timing = collect_rollouts(
+        policy, lambda: make_env(params.env), tasks, params.rollout, params.seed, progress=progress
+    )
+    paths = rollout_paths(params, root)
+    write_jsonl(paths["trajectories"], trajectories)
+    metrics = {
+        "env": params.env.name,
+        "split": params.rollout.split,
+        "policy_id": policy.policy_id,
+        "constrained": params.rollout.constrained,
+        "temperature": params.rollout.temperature,
+        **summarize(trajectories),
+        "timing": {
+            "seconds": round(timing.seconds, 2),
+            "seconds_per_episode": round(timing.seconds / max(1, timing.episodes), 3),
+            "agent_tokens_per_second": round(timing.tokens_per_second, 2),
+        },
+    }
+    write_json(paths["metrics"], metrics)
+    return metrics

@@ -1,0 +1,63 @@
+"""What the agent said to the user: the one place that decides "the agent said X".
+
+Reads records only; writes nothing. Every check of the form "did the agent tell the user this" goes
+through `said_to_user`: the built-in retail reward (a required output must have been said, as
+τ²-bench's COMMUNICATE check), the synthesized environments (`trace_lib.synth_sdk.said`) and the
+rules analyst's `communicate_result` detector. Keeping one matcher means the analyst cannot label a
+trajectory PRESENT for a capability that the reward failed it for.
+
+Matching rules: case-insensitive, after number normalisation (`normalize_text`: thousands separators
+dropped, trailing decimal zeros stripped, so "$1,234.50", "1234.5" and "1234.50" all match), and
+only whole tokens: "100" does not match "1000", "delivered" does not match "undelivered". τ²-bench
+itself only drops commas.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def _canonical_number(match: re.Match) -> str:
+    s = match.group(0).replace(",", "")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    return s
+
+
+def normalize_text(text: str) -> str:
+    """Lower-case, thousands separators dropped, trailing decimal zeros stripped."""
+    return _NUMBER.sub(_canonical_number, text.lower())
+
+
+def output_found(required: str, texts: Iterable[str]) -> bool:
+    """Whether `required` appears as a whole token sequence in one of `texts` (rules above)."""
+    needle = normalize_text(required.strip())
+    if not needle:
+        return True
+    pattern = re.compile(r"(?<![0-9a-z])" + re.escape(needle) + r"(?![0-9a-z])")
+    return any(pattern.search(normalize_text(t)) for t in texts)
+
+
+def is_said_to_user(message: Any) -> bool:
+    """Whether a message (a `Message` or its dict) is the agent talking to the user: an assistant
+    turn with no tool call that was not an invalid action."""
+    get = message.get if isinstance(message, dict) else (lambda key, default=None: getattr(message, key, default))
+    return get("role") == "assistant" and not get("tool_calls") and get("invalid") is None
+
+
+def texts_said(messages: Iterable[Any]) -> list[str]:
+    """The texts of every message in which the agent talked to the user, in order."""
+    out = []
+    for m in messages:
+        if is_said_to_user(m):
+            out.append(m.get("content", "") if isinstance(m, dict) else m.content)
+    return out
+
+
+def said_to_user(messages: Iterable[Any], required: str) -> bool:
+    """Whether the agent told the user `required` anywhere in `messages` (rules above)."""
+    return output_found(required, texts_said(messages))

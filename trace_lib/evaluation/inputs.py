@@ -1,0 +1,169 @@
+"""What the evaluate stage reads: adapters, their rollout budgets, synthetic envs, router candidates.
+
+Reads (all optional — a missing piece turns the rows that need it into 'not run: <why>'):
+
+    data/adapters/<capability>/            PEFT folder + manifest.json (AdapterManifest), one per
+                                           kept capability (train stage)
+    data/adapters/_baselines/<name>/       the same for the baselines `grpo_target` (GRPO on the
+                                           target's train tasks) and `merged_data` (one adapter on
+                                           the mixture of all synthetic environments)
+    data/train/[_baselines/]<name>/rollouts.jsonl
+                                           the rollout ledger of each adapter (`ledger_path`); when it
+                                           is missing the manifest's `rollouts_used` is used instead
+    data/envs/rollouts.jsonl               band-check rollouts of the synthesize stage (TRACE's)
+    data/envs/manifests.jsonl, env.py      the validated synthetic environments
+    data/score/kept.jsonl                  the kept capabilities (router descriptions)
+
+Writes nothing. Paper §4: methods are compared at equal rollout budget, so TRACE's budget is every
+rollout its adapters cost (training plus the synthesize stage's band checks) and `trace_budget` is
+the number a baseline trainer should be given.
+
+Router examples (paper §3.4 shows each candidate with a solved trajectory): the train stage keeps no
+trajectories, so each candidate's example is the synthetic environment's reference solution
+(`solve(task)`) on the first training seed, replayed against the scripted customer — the same replay
+validation scored 1 on, so it is a correct use of the capability by construction and costs no model
+call. Retrieval items are the openings of the first `RETRIEVAL_EXAMPLES` training seeds' tasks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from trace_lib.training.budget import total_rollouts
+from trace_lib.config import EnvConfig
+from trace_lib.io import read_json, read_jsonl
+from trace_lib.records import AdapterManifest, Capability, Trajectory
+
+BASELINES = ("grpo_target", "merged_data")
+"""Baseline adapters the evaluate stage looks for under data/adapters/_baselines/."""
+RETRIEVAL_EXAMPLES = 8
+"""Synthetic training tasks per capability whose openings the retrieval index holds."""
+
+
+def adapters_root(root: Path) -> Path:
+    return root / "data" / "adapters"
+
+
+def adapter_dir(root: Path, name: str, baseline: bool = False) -> Path:
+    base = adapters_root(root)
+    return base / "_baselines" / name if baseline else base / name
+
+
+def ledger_path(root: Path, name: str, baseline: bool = False) -> Path:
+    """The rollout ledger an adapter's training appended to (outside its folder, which is replaced whole)."""
+    base = root / "data" / "train"
+    return base / "_baselines" / name / "rollouts.jsonl" if baseline else base / name / "rollouts.jsonl"
+
+
+def _manifest(folder: Path) -> AdapterManifest | None:
+    path = folder / "manifest.json"
+    if not (path.is_file() and (folder / "adapter_config.json").is_file()):
+        return None
+    return AdapterManifest.model_validate(read_json(path))
+
+
+def find_adapters(root: Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(capability adapters, baseline adapters): name -> folder, for folders with a PEFT config and a
+    manifest. Hidden folders (temp, checkpoints) are skipped."""
+    base = adapters_root(root)
+    caps = {}
+    if base.is_dir():
+        for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+            if _manifest(folder) is not None:
+                caps[folder.name] = folder
+    clash = sorted(set(caps) & set(BASELINES))
+    if clash:
+        raise ValueError(f"capability adapter(s) {clash} use a baseline's name; rename the capability")
+    baselines = {n: adapter_dir(root, n, True) for n in BASELINES if _manifest(adapter_dir(root, n, True))}
+    return caps, baselines
+
+
+def adapter_budget(root: Path, name: str, baseline: bool = False) -> tuple[int, str]:
+    """(rollouts an adapter cost, where the number came from: the ledger path or 'manifest')."""
+    ledger = ledger_path(root, name, baseline)
+    if ledger.is_file():
+        return int(total_rollouts([ledger])["total"]), ledger.relative_to(root).as_posix()
+    manifest = _manifest(adapter_dir(root, name, baseline))
+    if manifest is None:
+        raise FileNotFoundError(f"no ledger {ledger} and no adapter manifest for {name!r}")
+    return int(manifest.rollouts_used), "manifest"
+
+
+def trace_budget(root: Path, names: list[str]) -> dict[str, Any]:
+    """TRACE's rollouts: every capability adapter's training plus the synthesize stage's band checks.
+
+    This is the budget a baseline (GRPO on the target, merged data, GEPA) is given."""
+    by_adapter = {n: adapter_budget(root, n)[0] for n in names}
+    synth = root / "data" / "envs" / "rollouts.jsonl"
+    band = int(total_rollouts([synth])["total"]) if synth.is_file() else 0
+    return {"total": sum(by_adapter.values()) + band, "by_adapter": by_adapter, "synthesize": band}
+
+
+def check_base_model(folder: Path, base_id: str) -> None:
+    """Warn when an adapter was trained on another base model than the one evaluated."""
+    manifest = _manifest(folder)
+    if manifest is not None and manifest.base_model and manifest.base_model != base_id:
+        warnings.warn(f"adapter {folder.name!r} was trained on {manifest.base_model!r}, evaluated on {base_id!r}",
+                      stacklevel=2)
+
+
+def kept_capabilities(root: Path, names: list[str]) -> list[Capability]:
+    """The Capability record of each adapter name (kept.jsonl), a bare one where the record is missing."""
+    path = root / "data" / "score" / "kept.jsonl"
+    known = {c.id: c for c in read_jsonl(path, Capability)} if path.is_file() else {}
+    return [known.get(n) or Capability(id=n, name=n.replace("_", " "), description=n.replace("_", " "))
+            for n in names]
+
+
+def synthetic_manifests(root: Path) -> dict[str, Any]:
+    """Capability -> validated SyntheticEnvManifest (empty when the synthesize stage wrote none)."""
+    from trace_lib.synth.synthesize import valid_envs
+
+    if not (root / "data" / "envs" / "manifests.jsonl").is_file():
+        return {}
+    return {m.capability_id: m for m in valid_envs(root)}
+
+
+def reference_trajectory(box: Any, capability: str, target_cfg: EnvConfig, seed: int, difficulty: int) -> Trajectory:
+    """The module's `solve(task)` for one seed, replayed against the scripted customer, as a Trajectory."""
+    from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks, task_payload
+    from trace_lib.synth.validate import action_message
+
+    task = synthetic_tasks(box, capability, [seed], difficulty, "train")[0]
+    actions = box.request("solve", task=task_payload(task))
+    env = SyntheticEnv(box, target_cfg)
+    env.reset(task)
+    try:
+        for i, action in enumerate(actions):
+            if env.done:
+                break
+            env.step(action_message(action, i))
+        reward, info = env.reward()
+        st = env.state
+        return Trajectory(
+            id=f"{task.id}#ref", task_id=task.id, env=task.env, family=task.family, split=task.split,
+            policy_id="reference", seed=seed, messages=st.messages, reward=reward, success=reward >= 1.0,
+            termination=st.termination or "", tool_calls=st.tool_calls, invalid_actions=st.invalid_actions,
+            tool_errors=st.tool_errors, turns=st.steps, prompt_tokens=0, completion_tokens=0, reward_info=info)
+    finally:
+        env.close()
+
+
+def retrieval_openings(box: Any, capability: str, seeds: list[int], difficulty: int) -> list[tuple[str, str]]:
+    """(capability, the customer's opening) of the synthetic training tasks of `seeds`."""
+    from trace_lib.envs.synthetic import synthetic_tasks
+    from trace_lib.envs.user import ScriptedUser
+
+    tasks = synthetic_tasks(box, capability, seeds, difficulty, "train")
+    return [(capability, ScriptedUser(t.user).opening()) for t in tasks]
+
+
+def analysis_rollouts(root: Path, split: str) -> int:
+    """Episodes the rollout stage spent on the target's train split (discovery; reported, not budgeted)."""
+    path = root / "data" / "rollouts" / f"{split}.jsonl"
+    if not path.is_file():
+        return 0
+    with path.open(encoding="utf-8") as fh:
+        return sum(1 for line in fh if line.strip())

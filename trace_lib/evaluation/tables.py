@@ -1,0 +1,332 @@
+"""Tables and the written outputs of the evaluate stage (paper Table 1, routing vs merging, interference).
+
+Reads nothing: `write_reports` gets the methods' trajectories from `trace_lib.evaluation.runner.run_evaluate`
+and writes the trajectory/route JSONL files, results.jsonl, the markdown/CSV tables, the figures and
+reports/metrics/evaluate.json. The table builders are pure functions from `MethodRun`s (a method's
+trajectories, or why it did not run, and the rollouts it cost) to DataFrames, so tests can build
+them from constructed records.
+
+Cells read `rate [lo, hi]` in percent (success rate, 95% bootstrap interval over tasks); a method
+that did not run keeps its row and says why, so the table shape never depends on what was available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from trace_lib.stats import compare, group_rows, rate_row
+from trace_lib.io import atomic_write_text, write_json, write_jsonl
+from trace_lib.records import EvalResult, Task, Trajectory
+
+TABLE1_ORDER = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single_best", "single", "trace_argmax",
+                "trace_top_p")
+"""Row order of Table 1; 'single' stands for every single-capability row after the best one."""
+ROUTING_ROWS = ("trace_argmax", "trace_top_p", "oracle_route", "linear_merge", "merged_data", "single_best")
+EMPTY = "—"
+
+
+@dataclass
+class MethodRun:
+    """One method's evaluation: its trajectories, or the reason it was not run; its rollout budget."""
+
+    method: str
+    """The `evaluate.methods` name it belongs to (base, single, trace, ...)."""
+    key: str
+    """Unique, file-safe row id (e.g. 'single_tool_call_precision', 'trace_top_p')."""
+    label: str
+    trajectories: list[Trajectory] | None = None
+    reason: str = ""
+    """Why it did not run (empty when it ran)."""
+    budget: int | None = None
+    """Training rollouts behind it (None: unknown / not applicable)."""
+    budget_source: str = ""
+    note: str = ""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """Filled by `summarize_runs`: overall, groups, vs_base."""
+
+    @property
+    def ran(self) -> bool:
+        return self.trajectories is not None
+
+
+# --- summaries ---------------------------------------------------------------------------------------
+def summarize_runs(runs: Sequence[MethodRun], n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> None:
+    """Fill each run's `summary`: overall row, per-family rows, and the paired comparison with base."""
+    base = next((r for r in runs if r.key == "base" and r.ran), None)
+    for r in runs:
+        if not r.ran:
+            continue
+        r.summary = {"overall": rate_row(r.trajectories, n_boot, level, seed),
+                     "groups": group_rows(r.trajectories, "family", n_boot, level, seed)}
+        if base is not None and r is not base:
+            r.summary["vs_base"] = compare(r.trajectories, base.trajectories, n_boot, level, seed)
+
+
+def best_single(runs: Sequence[MethodRun]) -> MethodRun | None:
+    """The single-capability run with the highest overall success (ties: name order), as a new row.
+
+    Picked on the evaluation split itself, which favours this baseline (an optimistic oracle choice)."""
+    singles = [r for r in runs if r.method == "single" and r.ran and r.summary]
+    if not singles:
+        return None
+    best = max(sorted(singles, key=lambda r: r.key), key=lambda r: r.summary["overall"]["success_rate"])
+    return MethodRun("single", "single_best", f"single-capability (best: {best.key.removeprefix('single_')})",
+                     best.trajectories, budget=best.budget, budget_source=best.budget_source,
+                     note=f"best of {len(singles)} single adapters, chosen on this split", summary=best.summary)
+
+
+def ordered_rows(runs: Sequence[MethodRun], order: Sequence[str] = TABLE1_ORDER) -> list[MethodRun]:
+    """Runs in table order, the best single row included (made from the single runs)."""
+    by_key = {r.key: r for r in runs}
+    best = best_single(runs)
+    if best is not None:
+        by_key["single_best"] = best
+    out = []
+    for key in order:
+        if key == "single":
+            out += [r for r in runs if r.method == "single" and r.key != "single_best"]
+        elif key in by_key:
+            out.append(by_key[key])
+    return out
+
+
+# --- cells -------------------------------------------------------------------------------------------
+def pct_cell(row: dict[str, Any] | None) -> str:
+    if not row or not row.get("n"):
+        return EMPTY
+    return f"{100 * row['success_rate']:.1f} [{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}]"
+
+
+def diff_cell(vs: dict[str, Any] | None) -> str:
+    if not vs or not vs.get("n"):
+        return EMPTY
+    return f"{100 * vs['diff']:+.1f} [{100 * vs['ci_low']:+.1f}, {100 * vs['ci_high']:+.1f}]"
+
+
+def budget_cells(r: MethodRun, trace_total: int) -> tuple[str, str]:
+    if r.budget is None:
+        return EMPTY, EMPTY
+    ratio = f"{r.budget / trace_total:.2f}×" if trace_total > 0 else EMPTY
+    return str(r.budget), ratio
+
+
+def groups_of(tasks: Sequence[Task]) -> list[str]:
+    """Table 1's columns: the task families in task order (τ² tasks: the domain)."""
+    return list(dict.fromkeys(t.family for t in tasks))
+
+
+# --- tables ------------------------------------------------------------------------------------------
+def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int) -> pd.DataFrame:
+    """Paper Table 1's shape: one row per method, one column per family/domain and overall (success %,
+    95% CI), rollouts spent, that budget relative to TRACE's, and a note ('not run: why')."""
+    rows = []
+    for r in ordered_rows(runs):
+        cells: dict[str, Any] = {"method": r.label}
+        for g in [*groups, "overall"]:
+            if not r.ran:
+                cells[g] = "not run"
+            else:
+                cells[g] = pct_cell(r.summary["overall"] if g == "overall" else r.summary["groups"].get(g))
+        cells["rollouts"], cells["budget vs TRACE"] = budget_cells(r, trace_total)
+        cells["note"] = f"not run: {r.reason}" if not r.ran else r.note or (
+            "rollouts from the adapter manifest (no ledger found)" if r.budget_source == "manifest" else "")
+        rows.append(cells)
+    return pd.DataFrame(rows, columns=["method", *groups, "overall", "rollouts", "budget vs TRACE", "note"])
+
+
+def table1_long(runs: Sequence[MethodRun], groups: Sequence[str]) -> pd.DataFrame:
+    """Table 1 as numbers (the CSV): one row per method x column."""
+    cols = ["method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high", "rollouts",
+            "reason"]
+    rows = []
+    for r in ordered_rows(runs):
+        for g in [*groups, "overall"]:
+            cell = (r.summary["overall"] if g == "overall" else r.summary["groups"].get(g)) if r.ran else None
+            rows.append({"method": r.label, "key": r.key, "column": g, "status": "run" if r.ran else "not run",
+                         **{k: (cell or {}).get(k) for k in ("n", "successes", "success_rate", "ci_low", "ci_high")},
+                         "rollouts": r.budget, "reason": r.reason})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def routing_table(runs: Sequence[MethodRun], trace_total: int) -> pd.DataFrame:
+    """Routing vs merging: per-task routing (argmax, top-p, oracle) against one merge or one adapter for
+    every task, with the paired difference to base and the exact McNemar p-value."""
+    rows = []
+    for r in ordered_rows(runs, ROUTING_ROWS):
+        vs = r.summary.get("vs_base") if r.ran else None
+        rows.append({"method": r.label, "overall": pct_cell(r.summary["overall"]) if r.ran else "not run",
+                     "Δ vs base (pp)": diff_cell(vs),
+                     "McNemar p": f"{vs['mcnemar']['p_value']:.3g}" if vs else EMPTY,
+                     "rollouts": budget_cells(r, trace_total)[0],
+                     "note": f"not run: {r.reason}" if not r.ran else r.note})
+    return pd.DataFrame(rows, columns=["method", "overall", "Δ vs base (pp)", "McNemar p", "rollouts", "note"])
+
+
+def router_quality_table(quality: dict[str, Any]) -> pd.DataFrame:
+    """Router accuracy against the oracle (capability tags), and a random router's."""
+    def fmt(v: Any) -> str:
+        return EMPTY if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    keys = ("tasks", "scored", "router_accuracy", "random_accuracy", "random_expected", "none_share", "mean_label_mass")
+    return pd.DataFrame([{"metric": k, "value": fmt(quality.get(k))} for k in keys], columns=["metric", "value"])
+
+
+def interference_frame(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """Adapter (rows, base first) x capability environment (columns): success rate."""
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows)
+    order = list(dict.fromkeys(df["adapter"]))
+    return df.pivot(index="adapter", columns="env", values="success_rate").reindex(order)
+
+
+def interference_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    """The interference matrix as text cells 'rate% (k/n)'."""
+    if not rows:
+        return pd.DataFrame(columns=["adapter"])
+    cells = {(r["adapter"], r["env"]): f"{100 * r['success_rate']:.0f}% ({r['successes']}/{r['n']})"
+             if r["n"] else EMPTY for r in rows}
+    adapters = list(dict.fromkeys(r["adapter"] for r in rows))
+    envs = list(dict.fromkeys(r["env"] for r in rows))
+    return pd.DataFrame([{"adapter": a, **{e: cells.get((a, e), EMPTY) for e in envs}} for a in adapters],
+                        columns=["adapter", *envs])
+
+
+def capability_table(tasks: Sequence[Task], runs: Sequence[MethodRun], interference: Sequence[dict[str, Any]],
+                     adapters: Sequence[str]) -> pd.DataFrame:
+    """Per capability, before (base) and after: on the target tasks tagged with it (base vs TRACE argmax)
+    and on its own synthetic environment (base vs its adapter)."""
+    by_key = {r.key: r for r in runs if r.ran}
+    base, trace = by_key.get("base"), by_key.get("trace_argmax")
+    synth = {(r["adapter"], r["env"]): r for r in interference}
+
+    def rate(run: MethodRun | None, ids: set[str]) -> str:
+        if run is None or not ids:
+            return EMPTY
+        ts = [t for t in run.trajectories if t.task_id in ids]
+        return f"{100 * sum(t.success for t in ts) / len(ts):.1f}" if ts else EMPTY
+
+    def synth_rate(adapter: str, env: str) -> str:
+        r = synth.get((adapter, env))
+        return f"{100 * r['success_rate']:.1f}" if r and r["n"] else EMPTY
+
+    rows = []
+    for cap in adapters:
+        ids = {t.id for t in tasks if cap in t.capability_tags}
+        rows.append({"capability": cap, "tagged tasks": len(ids), "target: base": rate(base, ids),
+                     "target: TRACE": rate(trace, ids), "synthetic: base": synth_rate("base", cap),
+                     "synthetic: own adapter": synth_rate(cap, cap)})
+    return pd.DataFrame(rows, columns=["capability", "tagged tasks", "target: base", "target: TRACE",
+                                       "synthetic: base", "synthetic: own adapter"])
+
+
+def vs_base_frame(metrics: dict[str, Any]) -> pd.DataFrame:
+    """From evaluate.json: each method that ran against base (paired difference, McNemar), in table order."""
+    rows = []
+    for key, m in metrics.get("methods", {}).items():
+        vs = m.get("vs_base")
+        if m.get("status") != "run" or not vs:
+            continue
+        rows.append({"method": m["label"], "tasks": vs["tasks"], "success": m["overall"]["success_rate"],
+                     "diff": vs["diff"], "ci_low": vs["ci_low"], "ci_high": vs["ci_high"],
+                     "only method": vs["mcnemar"]["only_a"], "only base": vs["mcnemar"]["only_b"],
+                     "McNemar p": vs["mcnemar"]["p_value"], "rollouts": m.get("rollouts")})
+    return pd.DataFrame(rows, columns=["method", "tasks", "success", "diff", "ci_low", "ci_high", "only method",
+                                       "only base", "McNemar p", "rollouts"])
+
+
+def markdown(df: pd.DataFrame) -> str:
+    """A GitHub markdown table (no tabulate dependency); '|' in cells escaped."""
+    if df.empty and not len(df.columns):
+        return "(empty)\n"
+    def cell(v: Any) -> str:
+        return EMPTY if v is None or (isinstance(v, float) and pd.isna(v)) else str(v).replace("|", "\\|")
+
+    head = "| " + " | ".join(cell(c) for c in df.columns) + " |"
+    rule = "| " + " | ".join("---" for _ in df.columns) + " |"
+    body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body]) + "\n"
+
+
+# --- writing -----------------------------------------------------------------------------------------
+def eval_results(runs: Sequence[MethodRun], env: str, split: str) -> list[EvalResult]:
+    """One EvalResult per method that ran (per-family numbers in `by_group`)."""
+    out = []
+    for r in runs:
+        if not r.ran:
+            continue
+        o = r.summary["overall"]
+        groups = {g: {k: float(v[k]) for k in ("n", "successes", "success_rate", "ci_low", "ci_high")}
+                  for g, v in r.summary["groups"].items()}
+        out.append(EvalResult(method=r.key, env=env, split=split, n=o["n"], successes=o["successes"],
+                              success_rate=o["success_rate"], ci_low=o["ci_low"], ci_high=o["ci_high"],
+                              rollouts_budget=r.budget or 0, mean_tool_calls=o["mean_tool_calls"],
+                              invalid_action_rate=o["invalid_action_rate"], by_group=groups))
+    return out
+
+
+def _clear(folder: Path) -> None:
+    if folder.is_dir():
+        for old in folder.glob("*.jsonl"):
+            old.unlink()
+
+
+def write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[Task]]], decisions: dict[str, list],
+                  quality: dict[str, Any], interference: list[dict[str, Any]], budget: dict[str, Any], cfg: Any,
+                  paths: dict[str, Path], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write every output of the evaluate stage; returns the metrics (also in evaluate.json)."""
+    from trace_lib.plots import save_figure
+    from trace_lib.plots.evaluate import interference_heatmap, routing_confusion, success_by_method
+
+    summarize_runs(runs, cfg.n_boot, cfg.ci_level, cfg.seed)
+    tasks = [t for _, ts in targets for t in ts]
+    env_names = [e.name for e, _ in targets]
+    groups = groups_of(tasks)
+    trace_total = int(budget["total"])
+    _clear(paths["trajectories"])
+    _clear(paths["routes"])
+    for r in runs:
+        if r.ran:
+            write_jsonl(paths["trajectories"] / f"{r.key}.jsonl", r.trajectories)
+    for key, ds in decisions.items():
+        write_jsonl(paths["routes"] / f"{key}.jsonl", ds)
+    write_jsonl(paths["results"], eval_results(runs, ",".join(env_names), cfg.split))
+
+    t1 = table1(runs, groups, trace_total)
+    tables = paths["tables"]
+    caption = (f"Success rate (%) on {', '.join(env_names)} ({cfg.split} split, {len(tasks)} tasks, "
+               f"{cfg.samples_per_task} episode(s) per task, temperature {cfg.temperature:g}) with "
+               f"{cfg.ci_level:.0%} bootstrap intervals over tasks; rollouts = training episodes behind the "
+               f"method (TRACE: {trace_total}).\n\n")
+    atomic_write_text(tables / "table1.md", "# Table 1\n\n" + caption + markdown(t1))
+    atomic_write_text(tables / "table1.csv", table1_long(runs, groups).to_csv(index=False))
+    atomic_write_text(tables / "routing.md", "# Routing vs merging\n\n" + markdown(routing_table(runs, trace_total))
+                      + "\n## Router vs oracle and random routing\n\n" + markdown(router_quality_table(quality))
+                      + (f"\n{quality['note']}\n" if quality.get("note") else ""))
+    adapters = extra.get("adapters", []) if extra else []
+    atomic_write_text(tables / "interference.md", "# Adapter interference\n\nSuccess of each adapter (rows) on "
+                      "each capability's synthetic environment (columns), held-out seeds.\n\n"
+                      + (markdown(interference_table(interference)) if interference else "not run\n"))
+    atomic_write_text(tables / "capabilities.md", "# Per-capability success before / after\n\n"
+                      + markdown(capability_table(tasks, runs, interference, adapters)))
+
+    figs = paths["figures"]
+    save_figure(success_by_method(ordered_rows(runs)), figs / "evaluate_success.png")
+    save_figure(interference_heatmap(interference_frame(interference)), figs / "evaluate_interference.png")
+    save_figure(routing_confusion(quality), figs / "evaluate_routing_confusion.png")
+
+    metrics: dict[str, Any] = {
+        "split": cfg.split, "envs": env_names, "tasks": len(tasks), "trace_budget": budget,
+        "methods": {r.key: {"label": r.label, "status": "run" if r.ran else "not run", "reason": r.reason,
+                            "rollouts": r.budget, "budget_source": r.budget_source,
+                            **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base")} if r.ran else {})}
+                    for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route"))},
+        "routing": quality, "interference": interference, **(extra or {}),
+    }
+    write_json(paths["metrics"], metrics)
+    return metrics

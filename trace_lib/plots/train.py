@@ -1,0 +1,153 @@
+"""Training curves for the train stage (paper §3.3): figures and DVC plot data from train logs.
+
+Reads the rows of `data/adapters/<name>/train_log.jsonl` (one per GRPO iteration, written by
+`trace_lib.training.trainer`). The figure functions are pure (the notebook saves them with
+`plots.save_figure`); `write_train_csvs` writes `reports/train/<name>.csv`, the same rows under
+TRL's metric names, which dvc.yaml declares as plots (x: iteration, y: reward).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.ticker import MaxNLocator
+
+from trace_lib.io import atomic_write_text
+
+CURVES = (("reward", "mean reward"), ("success_rate", "success rate"),
+          ("frac_reward_zero_std", "groups with identical rewards"), ("tool_calls", "tool calls per episode"))
+"""(log key, axis label) of the panels drawn for every adapter."""
+CSV_COLUMNS = ("iteration", "rollouts", "reward", "reward_std", "frac_reward_zero_std", "success_rate", "kl",
+               "completion_length", "tool_calls", "l_t", "loss", "entropy", "grad_norm")
+"""Columns of `reports/train/<name>.csv`, named as TRL logs them (reward, reward_std, frac_reward_zero_std,
+kl, loss, entropy, grad_norm) or as the train log does: rollouts (used so far, cumulative), success_rate,
+completion_length (the agent's own tokens per episode), tool_calls (per episode) and l_t (the efficiency
+threshold). A value the log does not hold is left empty: kl when beta = 0 (TRL logs none), l_t when the
+efficiency reward is off."""
+
+
+def train_log_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One adapter's train-log rows as CSV text with `CSV_COLUMNS` (missing or null values empty)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in rows:
+        writer.writerow(["" if row.get(k) is None else row[k] for k in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+def write_train_csvs(logs: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: str | Path) -> list[Path]:
+    """`out_dir/<name>.csv` per adapter, written atomically; CSVs of adapters not in `logs` (left by an
+    earlier run with other capabilities) are removed, so the folder holds exactly this run's curves."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [atomic_write_text(out_dir / f"{name}.csv", train_log_csv(logs[name])) for name in sorted(logs)]
+    for stale in sorted(set(out_dir.glob("*.csv")) - set(written)):
+        stale.unlink()
+    return written
+
+
+def logs_frame(logs: Mapping[str, Sequence[dict[str, Any]]]) -> pd.DataFrame:
+    """One row per (adapter, iteration) with every logged metric; adapters in name order."""
+    rows = [{"adapter": name, **row} for name in sorted(logs) for row in logs[name]]
+    return pd.DataFrame(rows)
+
+
+def training_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str = "") -> plt.Figure:
+    """Reward, success, identical-reward groups and tool calls per iteration, one line per adapter."""
+    frame = logs_frame(logs)
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(3.3 * len(CURVES), 3.2))
+    for ax, (key, label) in zip(axes, CURVES, strict=True):
+        if not frame.empty and key in frame:
+            for name, part in frame.groupby("adapter", sort=True):
+                ax.plot(part["iteration"], part[key], marker="o", label=str(name))
+        ax.set_xlabel("iteration")
+        ax.set_title(label, fontsize=10)
+    if not frame.empty:
+        axes[0].legend(fontsize=7)
+    else:
+        axes[0].text(0.5, 0.5, "no adapters trained", ha="center", va="center", transform=axes[0].transAxes)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def efficiency_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str = "") -> plt.Figure:
+    """The efficiency threshold l_t and the mean tool calls of correct trajectories per iteration."""
+    frame = logs_frame(logs)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    drawn = False
+    if not frame.empty and "l_t" in frame:
+        for name, part in frame.groupby("adapter", sort=True):
+            if part["l_t"].notna().any():
+                ax.step(part["iteration"], part["l_t"], where="post", label=f"{name}: l_t")
+                ax.plot(part["iteration"], part["tool_calls_correct"], marker="o", linestyle=":",
+                        label=f"{name}: calls (correct)")
+                drawn = True
+    if drawn:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "efficiency reward off (train.reward.efficiency: false)", ha="center", va="center",
+                transform=ax.transAxes, fontsize=9)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("tool calls")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def base_pass_rate(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """The base model's pass rate on the adapter's environment: the success rate of iteration 1,
+    whose rollouts are sampled before the first update (LoRA B starts at zero), at the training
+    temperature. None when the log has no first iteration."""
+    first = [r for r in rows if r.get("iteration") == 1]
+    return first[0].get("success_rate") if first else None
+
+
+def curves_against_base(logs: Mapping[str, Sequence[dict[str, Any]]], temperature: float | None = None,
+                        title: str = "") -> plt.Figure:
+    """One panel per adapter: success rate per iteration (and the reward, where it differs) against a
+    dashed line at the base model's pass rate on that environment (`base_pass_rate`)."""
+    names = sorted(logs)
+    cols = min(3, max(1, len(names)))
+    rows_n = max(1, math.ceil(len(names) / cols))
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.8 * cols, 3.2 * rows_n), squeeze=False)
+    flat = list(axes.flat)
+    label = "base pass rate" + (f" (T={temperature:g})" if temperature is not None else "")
+    for ax, name in zip(flat, names):
+        frame = pd.DataFrame(list(logs[name]))
+        low = 0.0
+        if frame.empty:
+            ax.text(0.5, 0.5, "no iterations logged", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.plot(frame["iteration"], frame["success_rate"], marker="o", label="success rate")
+            if not np.allclose(frame["reward"], frame["success_rate"]):  # the efficiency reward is on
+                ax.plot(frame["iteration"], frame["reward"], marker=".", alpha=0.7, label="reward")
+                low = min(low, float(frame["reward"].min()))
+        base = base_pass_rate(logs[name])
+        if base is not None:
+            ax.axhline(base, linestyle="--", color="0.35", label=label)
+        ax.set_ylim(low - 0.05, 1.05)  # rates on a common scale: a small gain should look small
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("iteration")
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+    for ax in flat[len(names):]:
+        ax.set_axis_off()
+    if not names:
+        flat[0].set_axis_on()
+        flat[0].text(0.5, 0.5, "no adapters trained", ha="center", va="center", transform=flat[0].transAxes)
+    for row in axes:
+        row[0].set_ylabel("success rate")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

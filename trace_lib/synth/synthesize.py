@@ -1,0 +1,244 @@
+"""Synthesize stage: one validated training environment per kept capability (paper §3.2).
+
+Reads `data/score/kept.jsonl` (the kept capabilities), `data/rollouts/<split>.jsonl` (evidence shown
+to an LLM synthesizer), params sections `env` (the target) and `synthesize`; writes, per capability,
+`data/envs/<capability>/attempts/NN.py` + `NN.json` (every attempt and its validation verdict),
+`data/envs/<capability>/env.py` and `manifest.json` only when an attempt passed validation, the
+list `data/envs/manifests.jsonl` (valid or not, with the reason), and `reports/metrics/synthesize.json`.
+
+Two synthesizers behind one loop:
+
+* `template` (offline, pairs with the rules analyst): the module binds a parameterized generator of
+  `trace_lib.synth.templates` to the capability; a capability without a template is recorded as
+  not synthesized, with the reason.
+* `anthropic` / `local`: an LLM writes the module from the capability's description and evidence,
+  the target's policy and tool list; a rejected attempt's failed checks are fed back, up to
+  `max_attempts` times.
+
+Every attempt, whatever wrote it, goes through `trace_lib.synth.validate.validate_env` in a sandboxed
+subprocess; only a module that passed is written as `env.py`, and the train stage checks its
+sha256 against the manifest, so nothing unvalidated reaches training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trace_lib.config import EnvConfig, Params, SynthesizeConfig
+from trace_lib.analyst.discover import analyst_client, load_prompt, tools_block
+from trace_lib.io import atomic_write_text, read_jsonl, write_json, write_jsonl
+from trace_lib.analyst.llm import LLMClient, LLMError, resolve_backend
+from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
+from trace_lib.analyst.render import render_trajectory
+
+TEMPLATE_TARGETS = ("retail", "tau2-retail")
+
+
+def synthesize_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
+    return {
+        "kept": root / "data" / "score" / "kept.jsonl",
+        "trajectories": root / "data" / "rollouts" / f"{params.rollout.split}.jsonl",
+        "envs": root / "data" / "envs",
+        "manifests": root / "data" / "envs" / "manifests.jsonl",
+        "ledger": root / "data" / "envs" / "llm_ledger.jsonl",
+        "rollouts": root / "data" / "envs" / "rollouts.jsonl",
+        "metrics": root / "reports" / "metrics" / "synthesize.json",
+    }
+
+
+def target_spec(env: EnvConfig) -> dict[str, str]:
+    """The `TARGET` constant a module declares: the target env's name and tool set."""
+    return {"name": env.name, "tools": env.tools}
+
+
+def resolve_synth_backend(cfg: SynthesizeConfig, analyst_backend: str) -> str:
+    """'auto': the template synthesizer when the analyst is the offline rules analyst, else the analyst's LLM."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    backend = resolve_backend(analyst_backend, announce=False)
+    return "template" if backend == "rules" else backend
+
+
+def extract_module(reply: str) -> str:
+    """The Python source in an LLM reply: the first ```python block, else the whole reply."""
+    match = re.search(r"```(?:python|py)?\s*\n(.*?)```", reply, flags=re.S)
+    return (match.group(1) if match else reply).strip() + "\n"
+
+
+def llm_prompt(cap: Capability, target: dict[str, str], tool_kinds: dict[str, str], policy: str,
+               examples: Sequence[Trajectory], chars: int = 400) -> tuple[str, str]:
+    """(system, first user message) for the LLM synthesizer."""
+    from trace_lib.synth.sandbox import ALLOWED_IMPORTS
+
+    system = load_prompt("synthesize_system.md", capability_id=cap.id, target=repr(target),
+                         allowed_imports=", ".join(sorted(m for m in ALLOWED_IMPORTS if "." not in m)))
+    shown = "\n\n".join(render_trajectory(t, limit=chars) for t in examples) or "(none available)"
+    user = load_prompt("synthesize_user.md", capability_id=cap.id, capability_name=cap.name, description=cap.description,
+                       recognition=cap.recognition or "(not given)", policy=policy,
+                       tools=tools_block(tool_kinds), examples=shown)
+    return system, user
+
+
+def feedback_message(report: dict[str, Any]) -> str:
+    """What a rejected attempt is told: each failed check and why."""
+    failed = [f"- {c['name']}: {c['detail']}" for c in report.get("checks", []) if not c.get("ok")]
+    return ("The module was rejected by validation:\n" + "\n".join(failed or ["- (no detail)"])
+            + "\nFix these problems and answer with the whole corrected module in one ```python block.")
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = Path("."), *,
+                   client: LLMClient | None = None, evidence: Sequence[Trajectory] = (),
+                   policy=None, ledger=None) -> SyntheticEnvManifest:
+    """Write, validate and (if valid) install one capability's environment under data/envs/<id>/."""
+    from trace_lib.synth.validate import validate_env
+
+    out_dir = synthesize_paths(params, root)["envs"] / cap.id
+    cfg = params.synthesize
+    target = target_spec(params.env)
+    attempts_dir = out_dir / "attempts"
+    messages: list[dict[str, str]] = []
+    system = ""
+    if backend == "template":
+        from trace_lib.synth.templates import render_template_module, template_capabilities
+
+        if params.env.name not in TEMPLATE_TARGETS:
+            return _not_synthesized(cap, backend, target, out_dir,
+                                    f"the template synthesizer supports targets {list(TEMPLATE_TARGETS)}, "
+                                    f"not {params.env.name!r}; use an LLM synthesizer (synthesize.backend)")
+        if cap.id not in template_capabilities():
+            return _not_synthesized(cap, backend, target, out_dir,
+                                    f"no template for {cap.id!r} (templates: {', '.join(template_capabilities())}); "
+                                    "use an LLM synthesizer (synthesize.backend)")
+        max_attempts = 1
+    else:
+        if client is None:
+            raise ValueError(f"synthesize backend {backend!r} needs an LLM client")
+        from trace_lib.envs import make_env
+
+        env = make_env(params.env)
+        example_tasks = [t for t in evidence if t.id in set(cap.evidence)][: cfg.example_trajectories]
+        system, first = llm_prompt(cap, target, env.tool_kinds(), env.system_prompt(_any_task(params)),
+                                   example_tasks)
+        messages = [{"role": "user", "content": first}]
+        max_attempts = cfg.max_attempts
+
+    report: dict[str, Any] = {}
+    for attempt in range(1, max_attempts + 1):
+        if backend == "template":
+            source = render_template_module(cap.id, target, cfg.difficulty)
+        else:
+            try:
+                reply = client.complete(system, messages, max_tokens=cfg.max_tokens,
+                                        temperature=cfg.temperature, stage="synthesize")
+            except LLMError as err:
+                report = {"valid": False, "failed": "llm", "checks": [{"name": "llm", "ok": False, "detail": str(err)}]}
+                write_json(attempts_dir / f"{attempt:02d}.json", report)
+                break
+            source = extract_module(reply.text)
+            messages = messages + [{"role": "assistant", "content": reply.text}]
+        module_path = atomic_write_text(attempts_dir / f"{attempt:02d}.py", source)
+        verdict = validate_env(module_path, params.env, cfg.validation, cfg.difficulty, policy=policy, ledger=ledger)
+        report = verdict.model_dump(mode="json") if hasattr(verdict, "model_dump") else dict(verdict)
+        write_json(attempts_dir / f"{attempt:02d}.json", report)
+        if report["valid"]:
+            env_path = atomic_write_text(out_dir / "env.py", source)
+            manifest = SyntheticEnvManifest(
+                capability_id=cap.id, source=backend, path=env_path.relative_to(root).as_posix(),
+                sha256=_sha256(source), target_env=params.env.name, validation=report,
+                difficulty={"value": cfg.difficulty}, valid=True, attempts=attempt)
+            write_json(out_dir / "manifest.json", manifest.model_dump(mode="json"))
+            return manifest
+        if backend != "template":
+            messages = messages + [{"role": "user", "content": feedback_message(report)}]
+    reason = f"no attempt passed validation (last failed check: {report.get('failed')})"
+    return _not_synthesized(cap, backend, target, out_dir, reason, report, attempts=max_attempts)
+
+
+def _any_task(params: Params):
+    from trace_lib.envs import make_tasks
+
+    return make_tasks(params.env, params.rollout.split)[0]
+
+
+def _not_synthesized(cap: Capability, backend: str, target: dict[str, str], out_dir: Path, reason: str,
+                     report: dict[str, Any] | None = None, attempts: int = 0) -> SyntheticEnvManifest:
+    (out_dir / "env.py").unlink(missing_ok=True)  # a stale module from an earlier run must not survive
+    (out_dir / "manifest.json").unlink(missing_ok=True)
+    return SyntheticEnvManifest(capability_id=cap.id, source=backend, path="", sha256="", target_env=target["name"],
+                                validation=report or {}, valid=False, reason=reason, attempts=attempts)
+
+
+def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
+    """The whole stage: every kept capability gets a validated environment or a recorded reason."""
+    paths = synthesize_paths(params, root)
+    kept = read_jsonl(paths["kept"], Capability)
+    backend = resolve_synth_backend(params.synthesize, params.analyst.backend)
+    client = None if backend == "template" else analyst_client(
+        params.analyst.model_copy(update={"backend": backend}), paths["ledger"], root, params.seed)
+    evidence = read_jsonl(paths["trajectories"], Trajectory) if backend != "template" else []
+    policy = ledger = None
+    if params.synthesize.validation.band:
+        from trace_lib.training.budget import RolloutLedger
+        from trace_lib.agent.policy import load_policy
+
+        policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype)
+        ledger = RolloutLedger(paths["rollouts"])
+    manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence,
+                                policy=policy, ledger=ledger) for cap in kept]
+    write_jsonl(paths["manifests"], manifests)
+    metrics = {
+        "backend": backend,
+        "kept": len(kept),
+        "valid": sum(m.valid for m in manifests),
+        "envs": {m.capability_id: {"valid": m.valid, "attempts": m.attempts,
+                                   "failed": m.validation.get("failed"), "reason": m.reason} for m in manifests},
+        "note": "no kept capabilities: nothing to synthesize" if not kept else "",
+    }
+    write_json(paths["metrics"], metrics)
+    return metrics
+
+
+def valid_envs(root: Path = Path(".")) -> list[SyntheticEnvManifest]:
+    """Manifests of installed environments whose env.py still hashes as validated (else an error)."""
+    out = []
+    for m in read_jsonl(root / "data" / "envs" / "manifests.jsonl", SyntheticEnvManifest):
+        if not m.valid:
+            continue
+        source = (root / m.path).read_text(encoding="utf-8")
+        if _sha256(source) != m.sha256:
+            raise RuntimeError(f"{m.path}: content differs from the validated module (sha256 mismatch); "
+                               "rerun the synthesize stage")
+        out.append(m)
+    return out
+
+
+def validation_table(manifests: Sequence[SyntheticEnvManifest]):
+    """One row per capability x check (ok, detail) for the notebook; capabilities without checks get one row."""
+    import pandas as pd
+
+    rows = []
+    for m in manifests:
+        checks = m.validation.get("checks", [])
+        if not checks:
+            rows.append({"capability": m.capability_id, "check": "-", "ok": False, "detail": m.reason})
+        rows.extend({"capability": m.capability_id, "check": c["name"], "ok": c["ok"], "detail": c.get("detail", "")}
+                    for c in checks)
+    return pd.DataFrame(rows, columns=["capability", "check", "ok", "detail"])
+
+
+def sample_tasks(manifest: SyntheticEnvManifest, params: Params, root: Path = Path("."), n: int = 3):
+    """The first `n` training tasks of an installed environment (generated in the sandbox)."""
+    from trace_lib.envs.synthetic import synthetic_tasks
+    from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
+
+    with SandboxProcess(root / manifest.path, limits_from_config(params.synthesize.validation)) as box:
+        seeds = [params.train.seed_offset + i for i in range(n)]
+        return synthetic_tasks(box, manifest.capability_id, seeds, params.synthesize.difficulty, "train")

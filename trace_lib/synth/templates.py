@@ -1,0 +1,171 @@
+"""The offline template synthesizer: one parameterized environment per capability (paper §3.2).
+
+Reads the target's database and tool schemas through `trace_lib.synth_sdk` (never mutating them);
+writes nothing. `render_template_module` returns the source text of a synthesized module
+(`data/envs/<capability>/env.py`); the synthesize stage writes it. This is the synthesizer that
+pairs with the rules analyst: where the paper has an LLM write a focused environment for a kept
+capability, we bind a hand-written generator for each of the eight ids in
+`families.CAPABILITY_TAGS`. Every template runs on the target's own tools over a private copy of
+its database (`synth_sdk.TargetWorld`), so an adapter trained on it meets no interface shift.
+
+Why the runtime code lives here and not in the rendered text: the sandbox lets a synthesized module
+import only `trace_lib.synth_sdk` (plus the standard library and τ²'s domain packages). The
+rendered module therefore calls `synth_sdk.template(CAPABILITY, TARGET)`, which binds the template
+and returns a `BoundTemplate` whose methods are the contract's functions. The module stays a
+dozen readable lines whose docstring says what it trains and how it rewards, and the generators
+are tested once, here, instead of being copied into every module.
+
+Seeds draw users (and their orders) from the TRAIN side of the target's split only: the built-in
+target holds out users by `families.user_split(0, user_id, 0.5)`, and on τ²-bench retail we also
+drop every user that a τ² test task is about. Synthetic training must never have seen the people
+and orders the adapters are finally evaluated on, or a gain could come from memorised records.
+
+This module is the registry: it binds a capability's template to a target and renders the module
+text. The shared generation and evaluation pieces are in `trace_lib.synth.template_kit`, the
+templates in `trace_lib.synth.templates_read` (no write expected) and `trace_lib.synth.templates_write`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import textwrap
+from functools import lru_cache
+from typing import Any
+
+from trace_lib.envs.families import CAPABILITY_TAGS
+from trace_lib.synth import templates_read, templates_write
+from trace_lib.synth.template_kit import DIFFICULTY, Checks, Episode, Template, pool
+from trace_lib.synth.world import TargetWorld, target_tool_kinds, target_tool_schemas
+
+
+# --- registry and binding -----------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _registry() -> dict[str, Template]:
+    found = {t.capability: t for t in templates_read.TEMPLATES + templates_write.TEMPLATES}
+    return {cap: found[cap] for cap in CAPABILITY_TAGS}
+
+
+def template_capabilities() -> list[str]:
+    """Capability ids with a template, in `CAPABILITY_TAGS` order."""
+    return list(_registry())
+
+
+def get_template(capability: str) -> Template:
+    if capability not in _registry():
+        raise ValueError(f"synthesize: no template for capability {capability!r}; templates exist for "
+                         f"{template_capabilities()}")
+    return _registry()[capability]
+
+
+def _plain(task: Any) -> dict[str, Any]:
+    return task.model_dump(mode="json") if hasattr(task, "model_dump") else task
+
+
+class BoundTemplate:
+    """A template bound to a target: its methods are the synthesized-module contract's functions."""
+
+    def __init__(self, template: Template, target: dict[str, Any]) -> None:
+        self.kinds = target_tool_kinds(target)  # also fails early, naming the supported targets
+        self.template = template
+        self.target = dict(target)
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return target_tool_schemas(self.target)
+
+    def generate_task(self, seed: int, difficulty: int) -> dict[str, Any]:
+        if not DIFFICULTY["min"] <= difficulty <= DIFFICULTY["max"]:
+            raise ValueError(f"difficulty must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}], got {difficulty}")
+        cap = self.template.capability
+        fields = self.template.generate(pool(self.target["name"]), random.Random(f"{cap}:{seed}:{difficulty}"),
+                                        difficulty)
+        plan = fields.pop("plan")
+        user = {"known_info": {}, "unknown_info": [], "task_instructions": "", "confirm": True, **fields.pop("user")}
+        task = {"instruction": fields.pop("instruction"), "user": user,
+                "required_outputs": fields.pop("required_outputs", []), "gold_actions": fields.pop("gold_actions"),
+                "meta": {"capability": cap, "target": self.target["name"], "seed": seed,
+                         "difficulty": difficulty, **fields, "reference": plan}}
+        return json.loads(json.dumps(task))  # plain JSON types, and a copy nobody else holds
+
+    def init_state(self, task: dict[str, Any]) -> TargetWorld:
+        return TargetWorld(self.target)
+
+    def call_tool(self, state: TargetWorld, name: str, arguments: dict[str, Any]) -> str:
+        return state.call(name, arguments)
+
+    def evaluate(self, trajectory: dict[str, Any], task: dict[str, Any], state: TargetWorld) -> int:
+        task = _plain(task)
+        ep = Episode(trajectory, self.kinds)
+        if ep.termination in ("max_steps", "max_errors"):
+            return 0
+        return int(bool(self.template.check(ep, task, Checks(ep, task, state, self.target))))
+
+    def solve(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        return copy.deepcopy(_plain(task)["meta"]["reference"])
+
+
+def bind_template(capability: str, target: dict[str, Any]) -> BoundTemplate:
+    """The template for `capability` on `target` (what `synth_sdk.template` returns)."""
+    return BoundTemplate(get_template(capability), target)
+
+
+def render_template_module(capability: str, target: dict[str, Any], difficulty_default: int = 1) -> str:
+    """Source text of a synthesized module binding the template; same inputs give the same bytes."""
+    tpl = get_template(capability)
+    target_tool_kinds(target)
+    if not DIFFICULTY["min"] <= difficulty_default <= DIFFICULTY["max"]:
+        raise ValueError(f"difficulty_default must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}]")
+    knob = {**DIFFICULTY, "default": difficulty_default}
+
+    def para(label: str, text: str) -> str:
+        return textwrap.fill(f"{label}: {text}", width=100, subsequent_indent="    ")
+
+    doc = "\n\n".join([
+        f"Synthetic environment for `{capability}` on the {target['name']} target (template synthesizer).",
+        para("Trains", CAPABILITY_TAGS[capability] + "."),
+        para("Episodes", tpl.episodes),
+        para("Reward", tpl.reward + " Episodes cut off by the step or error limit score 0."),
+        para("Difficulty", tpl.difficulty),
+        textwrap.fill("Rendered by trace_lib.synth.templates.render_template_module (paper §3.2). The "
+                      "generator, the target's tools and the checker live in trace_lib.synth.templates; "
+                      "this module reaches them through trace_lib.synth_sdk.template, the only trace "
+                      "module a synthesized environment may import.", width=100),
+    ])
+    target_src = "{" + ", ".join(f"{json.dumps(k)}: {json.dumps(target[k])}" for k in sorted(target)) + "}"
+    knob_src = "{" + ", ".join(f'"{k}": {knob[k]}' for k in ("default", "min", "max")) + "}"
+    return f'''"""{doc}
+"""
+
+from trace_lib.synth_sdk import target_tool_schemas, template
+
+CAPABILITY = {json.dumps(capability)}
+TARGET = {target_src}
+DIFFICULTY = {knob_src}
+
+_TEMPLATE = template(CAPABILITY, TARGET)
+
+
+def tool_schemas():
+    return target_tool_schemas(TARGET)
+
+
+def generate_task(seed, difficulty):
+    return _TEMPLATE.generate_task(seed, difficulty)
+
+
+def init_state(task):
+    return _TEMPLATE.init_state(task)
+
+
+def call_tool(state, name, arguments):
+    return _TEMPLATE.call_tool(state, name, arguments)
+
+
+def evaluate(trajectory, task, state):
+    return _TEMPLATE.evaluate(trajectory, task, state)
+
+
+def solve(task):
+    return _TEMPLATE.solve(task)
+'''

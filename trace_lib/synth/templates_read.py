@@ -1,0 +1,200 @@
+"""Templates for the capabilities exercised without a write (paper §3.2, template synthesizer).
+
+Reads the target database through the pool handed in by `trace_lib.synth.templates`; writes
+nothing. Four templates: tool_call_precision, structured_data_reasoning, identity_verification,
+communicate_result. Each generator returns task fields plus `plan`, the reference actions (what a
+correct agent says and calls); each check reads the finished episode and the world. No episode here
+needs a write, so every check also fails an episode that attempted one.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from trace_lib.synth.template_kit import (
+    ASK_IDENTITY, Checks, Episode, Pool, Template, act, call, identity, money, say, sentence, unique_items,
+)
+
+
+# --- tool_call_precision ------------------------------------------------------------------------
+def _precision_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
+    db = pool.db
+    n_orders = 1 + (d >= 1) + (d >= 3)
+    uid = rng.choice([u for u in pool.users if len(db.users[u].orders) >= n_orders])
+    user = db.users[uid]
+    oids = rng.sample(sorted(user.orders), n_orders)
+    # About half the ids come without their '#': the agent must restore the exact id format.
+    shown = [o[1:] if rng.random() < 0.6 else o for o in oids]
+    gold, known, unknown, intro = [], {"order_id": ", ".join(shown)}, [], "Hi! "
+    if d >= 2:
+        known_id, unknown, lookup, who = identity(db, uid, by_email=False)
+        known.update(known_id)
+        gold += [lookup, call("get_user_details", user_id=uid)]
+        intro = f"Hi, {who}. "
+    gold += [call("get_order_details", order_id=o) for o in oids]
+    statuses = [db.orders[o].status for o in oids]
+    ask = (f"What is the status of my order {shown[0]}?" if n_orders == 1 else
+           f"What are the statuses of my orders {', '.join(shown[:-1])} and {shown[-1]}?")
+    outputs = list(statuses)
+    answer = [f"Order {o} is {s}." for o, s in zip(oids, statuses)]
+    if d >= 2:
+        ask += " Also, which email address do you have on file for me?"
+        outputs.append(user.email)
+        answer.append(f"The email on your account is {user.email}.")
+    calls = "; ".join(f"{g['name']}({', '.join(f'{k}={v!r}' for k, v in g['arguments'].items())})" for g in gold)
+    return dict(
+        instruction=f"The user gives order ids in loose formats{' and their name and zip' if d >= 2 else ''}; "
+                    f"the agent must make exactly these calls, all accepted: {calls}.",
+        user={"reason_for_call": intro + ask, "known_info": known, "unknown_info": unknown},
+        gold_actions=gold, required_outputs=outputs,
+        plan=[act(g) for g in gold] + [say(" ".join(answer))], user_id=uid,
+    )
+
+
+def _precision_check(ep: Episode, task: dict[str, Any], c: Checks) -> bool:
+    return (all(ep.did(g) for g in task["gold_actions"]) and all(e.ok for e in ep.events)
+            and ep.invalid == 0 and not ep.writes)
+
+
+# --- structured_data_reasoning ------------------------------------------------------------------
+def _nested_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
+    """(question, value, answer) for facts nested inside the order record: at most one of each kind
+    (item price, tracking number, amount paid, item option), kinds in random order given `rng`."""
+    order = db.orders[oid]
+    uniq = unique_items(order)
+    kinds: list[list[tuple[str, Any, str]]] = []
+    if len(order.items) >= 2:  # a price among several items, so the total is not the answer
+        kinds.append([(f"how much did the {it.name} in order {oid} cost", money(it.price),
+                       f"The {it.name} in order {oid} cost {money(it.price)}.") for it in uniq])
+    if len(order.fulfillments) == 1 and order.fulfillments[0].tracking_id:
+        tid = order.fulfillments[0].tracking_id[0]
+        kinds.append([(f"what is the tracking number of order {oid}", tid,
+                       f"The tracking number of order {oid} is {tid}.")])
+    if len(order.payment_history) == 1:
+        amount = money(order.payment_history[0].amount)
+        kinds.append([(f"how much did I pay in total for order {oid}", amount,
+                       f"You paid {amount} in total for order {oid}.")])
+    kinds.append([(f"what {key} is the {it.name} in order {oid}", str(it.options[key]),
+                   f"The {key} of the {it.name} in order {oid} is {it.options[key]}.")
+                  for it in uniq for key in ("color", "material") if key in it.options])
+    kinds = [k for k in kinds if k]
+    if rng is None:
+        return [k[0] for k in kinds]
+    rng.shuffle(kinds)
+    return [rng.choice(k) for k in kinds]
+
+
+def _fact_task(pool: Pool, rng: random.Random, statuses: tuple[str, ...], facts_of, per_order: list[int],
+               what: str) -> dict[str, Any]:
+    """A user asks `sum(per_order)` questions about len(per_order) of their orders: the first k of
+    `facts_of(db, oid, rng)` for each. Shared by structured_data_reasoning and communicate_result."""
+    db = pool.db
+    candidates = [o for o in pool.orders(*statuses) if len(facts_of(db, o, None)) >= max(per_order)]
+    by_user: dict[str, list[str]] = {}
+    for o in candidates:
+        by_user.setdefault(db.orders[o].user_id, []).append(o)
+    uid = rng.choice(sorted(u for u, os in by_user.items() if len(os) >= len(per_order)))
+    oids = rng.sample(by_user[uid], len(per_order))
+    picked = [f for oid, k in zip(oids, per_order) for f in facts_of(db, oid, rng)[:k]]
+    opening = "Hi, I have some questions about my orders. " + " ".join(sentence(q) + "?" for q, _, _ in picked)
+    outputs = list(dict.fromkeys(v for _, value, _ in picked for v in (value if isinstance(value, list) else [value])))
+    gold = [call("get_order_details", order_id=o) for o in oids]
+    return dict(
+        instruction=f"The user asks {len(picked)} question(s) about order(s) {', '.join(oids)}; the agent looks "
+                    f"them up and must say {what}: {', '.join(outputs)}.",
+        user={"reason_for_call": opening, "known_info": {"order_id": ", ".join(oids)}},
+        gold_actions=gold, required_outputs=outputs,
+        plan=[act(g) for g in gold] + [say(" ".join(answer for _, _, answer in picked))], user_id=uid, orders=oids,
+    )
+
+
+def _structured_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
+    return _fact_task(pool, rng, ("processed", "delivered"), _nested_facts, [[1], [2], [2, 1], [2, 2]][d],
+                      "each nested value (item price, tracking number, amount paid, item option)")
+
+
+def _said_all_no_write(ep: Episode, task: dict[str, Any], c: Checks) -> bool:
+    return c.outputs_said() and not ep.writes
+
+
+# --- identity_verification ----------------------------------------------------------------------
+def _identity_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
+    db = pool.db
+    kind = ["address", "status", rng.choice(["address", "status"]), "all"][d]
+    wanted = {"address": lambda n: n >= 0, "status": lambda n: n == 1, "all": lambda n: 2 <= n <= 3}[kind]
+    uid = rng.choice([u for u in pool.users if wanted(len(db.users[u].orders))])
+    user = db.users[uid]
+    known, unknown, lookup, _ = identity(db, uid, by_email=d < 2 and rng.random() < 0.5)
+    gold = [lookup, call("get_user_details", user_id=uid)]
+    if kind == "address":
+        ask = "Hi, which shipping address do you have on file for me?"
+        outputs = [user.address.address1]
+        answer = f"The address on file is {user.address.address1}, {user.address.city}."
+    else:
+        gold += [call("get_order_details", order_id=o) for o in user.orders]
+        outputs = [db.orders[o].status for o in user.orders]
+        answer = " ".join(f"Order {o} is {db.orders[o].status}." for o in user.orders)
+        ask = ("Hi, what's the status of my order? I don't remember the order id." if kind == "status" else
+               "Hi, can you tell me the status of each of my orders? I don't remember the order ids.")
+        unknown = unknown + ["order id"]
+    return dict(
+        instruction=f"The user ({', '.join(known.values())}) asks about their account without saying who they "
+                    f"are; the agent must ask, find their user id, and only then read the account "
+                    f"({kind}) and answer: {', '.join(outputs)}.",
+        user={"reason_for_call": ask, "known_info": known, "unknown_info": unknown},
+        gold_actions=gold, required_outputs=outputs,
+        plan=[say(ASK_IDENTITY)] + [act(g) for g in gold] + [say(answer)], user_id=uid, orders=list(user.orders),
+    )
+
+
+def _identity_check(ep: Episode, task: dict[str, Any], c: Checks) -> bool:
+    meta = task["meta"]
+    return c.authenticated_first(meta["user_id"], meta["orders"]) and c.outputs_said() and not ep.writes
+
+
+# --- communicate_result -------------------------------------------------------------------------
+def _plain_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
+    """(question, value(s), answer) for the order's top-level facts; the status always comes first."""
+    order = db.orders[oid]
+    names = list(dict.fromkeys(i.name for i in order.items))
+    others = [(f"which items are in order {oid}", names, f"Order {oid} contains: {', '.join(names)}."),
+              (f"which city is order {oid} shipped to", order.address.city,
+               f"Order {oid} ships to {order.address.city}.")]
+    if rng is not None:
+        rng.shuffle(others)
+    return [(f"what is the status of order {oid}", order.status, f"Order {oid} is {order.status}.")] + others
+
+
+def _communicate_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
+    return _fact_task(pool, rng, ("pending", "processed", "delivered", "cancelled"), _plain_facts,
+                      [[1], [2], [2, 1], [2, 2]][d], "every fact asked for (status, each item, city)")
+
+
+TEMPLATES = (
+    Template("tool_call_precision",
+             "the user asks for the status of 1-3 of their orders, giving the ids with or without the '#'; "
+             "from difficulty 2 they also give first name, last name and zip and ask for the email on file.",
+             "1 iff every gold call (the exact order ids with '#', the exact name and zip, the user id found) "
+             "succeeded, no tool call failed, no action was invalid and nothing was written.",
+             "0: one order; 1: two orders; 2: plus the name+zip lookup and account read; 3: three orders, plus both.",
+             _precision_task, _precision_check),
+    Template("structured_data_reasoning",
+             "the user asks for values nested in order records: an item's price among several items, the "
+             "tracking number inside the fulfilment, the amount in the payment history, an item's option.",
+             "1 iff every requested value was said to the user (numbers in any format) and nothing was written.",
+             "0: one value of one order; 1: two values; 2: three values over two orders; 3: four values.",
+             _structured_task, _said_all_no_write),
+    Template("identity_verification",
+             "the user asks about their account (address on file, the status of their order(s)) without "
+             "saying who they are; they give their email, or name and zip when they forgot it, once asked.",
+             "1 iff a successful identity lookup returned this user before any other tool call, only this "
+             "user's account and orders were read afterwards, the answer was said and nothing was written.",
+             "0: address; 1: status of the only order; 2: either, by name and zip; 3: all 2-3 orders.",
+             _identity_task, _identity_check),
+    Template("communicate_result",
+             "the user asks for facts the order lookup returns: status, the items in it, the city it ships to.",
+             "1 iff every fact asked for (each item name of a list) was said to the user and nothing was written.",
+             "0: one status; 1: two facts; 2: three facts over two orders; 3: four facts over two orders.",
+             _communicate_task, _said_all_no_write),
+)

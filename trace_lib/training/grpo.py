@@ -1,0 +1,361 @@
+"""Multi-turn agent rollouts as GRPO samples: the glue between our episodes and TRL's GRPOTrainer.
+
+Reads nothing on disk; used by trace_lib.training.trainer (paper §3.3). TRL 1.16's `rollout_func(prompts,
+trainer)` receives the generation batch's prompts — each dataset row repeated K = num_generations
+times in a row — and must return `prompt_ids`, `completion_ids` and `logprobs` per row; any other
+key is forwarded to the reward functions, and `env_mask` (1 = the policy's own token) becomes the
+loss mask of the completion (TRL multiplies it into `completion_mask`).
+
+One row = one episode. A dataset prompt is the key "<source>:<env seed>"; `AgentRollout` builds
+the task with the source's `make_tasks`, plays the K episodes of each group on the trainer's
+current model (LoRA active, eval mode, no grad) and returns:
+
+* prompt_ids: the opening (system + first user turn) rendered with the tool chat template;
+* completion_ids: every later token in order: the agent's generated turns and, between them, the
+  tool results / user replies with the next generation prompt;
+* env_mask: 1 on the agent's generated tokens, 0 on everything the environment wrote.
+
+An episode lasts at most `max_steps_per_episode` agent turns (or the env's own `max_steps`, if
+lower); as in every env, an episode cut off by a limit scores 0.
+
+The episode is decoded token by token from these ids (`Policy.generate_ids` on concatenated ids,
+never a re-rendered conversation), so each agent turn is trained in the context it was sampled in,
+with one deliberate exception. Paper: "earlier tool results truncated in training prompts". The
+agent samples turn t from the training sequence so far, whose earlier tool results are cut to
+`tool_result_tokens`, followed by the latest tool result in full. In the one training sequence
+every tool result is an earlier one (some later turn follows it), so all of them are truncated
+there. Turn t is therefore trained on exactly its sampling context unless the result just before
+it was longer than the limit. Training only one turn per row would avoid that, but TRL needs
+exactly K rows per group.
+
+Sampling logprobs are not returned (`logprobs: None`): generation and training use the same
+weights, so TRL's ratio is exactly 1 at the single update per batch. With constrained decoding the
+sampler draws from the grammar-masked distribution while the loss uses the model's; that is the
+usual approximation of grammar-constrained RL.
+
+Samples (paper: "samples whose only action is a read-only lookup are filtered out"): a sample is
+one agent turn, i.e. one span of mask-1 tokens. With `filter_lookup_only` a turn whose action is
+only calls to read tools gets mask 0, except that an episode keeps at least its last turn.
+Groups with identical rewards (paper: "dropped") get mask 0 on every token: TRL keeps them with
+advantage 0, which adds nothing to the gradient but still counts their tokens in the loss
+normaliser of the default `dapo` loss and so dilutes the other groups.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Any
+
+from trace_lib.agent.chat import parse_assistant, render_prompt
+from trace_lib.config import TrainConfig
+from trace_lib.envs.base import Environment
+from trace_lib.agent.policy import Policy
+from trace_lib.records import Message, Task
+from trace_lib.agent.rollout import must_call
+
+TRUNCATION_MARK = " ...[truncated]"
+TURN_END = "<|im_end|>"
+
+
+@dataclass
+class TrainSource:
+    """One environment the trainer draws groups from (several make a curriculum mixture)."""
+
+    name: str
+    make_env: Callable[[], Environment]
+    make_tasks: Callable[[list[int]], list[Task]]
+    """Tasks for a list of env seeds, one per seed, in order."""
+    weight: float = 1.0
+
+
+@dataclass
+class Episode:
+    """One rollout as token ids: the opening, then agent turns and environment text alternating."""
+
+    source: str
+    seed: int
+    sample: int
+    env: Environment
+    prompt_ids: list[int]
+    context: list[Message]
+    """The conversation as trained on (tool results truncated)."""
+    completion_ids: list[int] = field(default_factory=list)
+    agent_mask: list[int] = field(default_factory=list)
+    """1 on tokens the policy generated, 0 on the environment's text."""
+    turns: list[tuple[int, int, bool]] = field(default_factory=list)
+    """Agent turns as (start, end, lookup_only) spans of completion_ids."""
+    latest: tuple[int, list[int]] = (0, [])
+    """The last environment reply as the agent reads it: (length of its truncated form at the end
+    of completion_ids, its full form)."""
+    env_reward: float = 0.0
+    reward: float = 0.0
+    success: bool = False
+
+    def sampling_ids(self) -> list[int]:
+        """What the agent's next turn is sampled from: the sequence, latest tool result in full."""
+        cut, full = self.latest
+        return self.prompt_ids + self.completion_ids[: len(self.completion_ids) - cut] + full
+
+    @property
+    def tool_calls(self) -> int:
+        assert self.env.state is not None
+        return self.env.state.tool_calls
+
+    @property
+    def agent_tokens(self) -> int:
+        return sum(self.agent_mask)
+
+
+def truncate_text(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """`text` cut to its first `max_tokens` tokens (plus a marker) when longer."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text
+    return tokenizer.decode(ids[:max_tokens]) + TRUNCATION_MARK
+
+
+def _lookup_only(msg: Message, kinds: dict[str, str]) -> bool:
+    return msg.invalid is None and bool(msg.tool_calls) and all(kinds.get(c.name) == "read" for c in msg.tool_calls)
+
+
+def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment) -> Episode:
+    opening = env.reset(task)
+    prompt = policy.encode(render_prompt(policy.tokenizer, opening, env.tool_schemas()))
+    return Episode(source, seed, sample, env, prompt, list(opening))
+
+
+def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: int) -> dict[str, float]:
+    """Run the episodes to the end, batched per tool set; returns generation timings."""
+    live = [ep for ep in episodes if not ep.env.done]
+    call, gen_s = 0, 0.0
+    while live:
+        for _, batch in groupby(sorted(live, key=lambda e: e.source), key=lambda e: e.source):
+            batch = list(batch)
+            tools = batch[0].env.tool_schemas()
+            processor = None
+            if cfg.constrained:
+                from trace_lib.agent.grammar import make_tool_call_processor
+
+                vocab = int(policy.model.get_output_embeddings().weight.shape[0])
+                processor = make_tool_call_processor(
+                    policy.tokenizer, tools, len(batch), vocab_size=vocab,
+                    **{**policy.grammar_options,
+                       "require_tool_call": [must_call(cfg.tool_choice, ep.env) for ep in batch]})
+            t0 = time.perf_counter()
+            tokens, finish = policy.generate_ids(
+                [ep.sampling_ids() for ep in batch], temperature=cfg.temperature, top_p=1.0,
+                max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62, processor=processor)
+            gen_s += time.perf_counter() - t0
+            call += 1
+            for ep, toks, why in zip(batch, tokens, finish, strict=True):
+                _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
+        live = [ep for ep in live if not ep.env.done]
+    return {"generate_seconds": gen_s, "generate_calls": call}
+
+
+def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_result_tokens: int) -> None:
+    """Step the env with one generated turn and append its tokens and the environment's reply."""
+    tok = policy.tokenizer
+    tools = ep.env.tool_schemas()
+    text = tok.decode([t for t in toks if t not in policy.stop_ids], skip_special_tokens=False)
+    msg = parse_assistant(text, tools, turn=sum(1 for m in ep.context if m.role == "assistant"))
+    start = len(ep.completion_ids)
+    ep.completion_ids += toks
+    ep.agent_mask += [1] * len(toks)
+    ep.turns.append((start, len(ep.completion_ids), _lookup_only(msg, ep.env.tool_kinds())))
+    if finish != "stop" or toks[-1] != tok.convert_tokens_to_ids(TURN_END):
+        close = policy.encode(TURN_END)  # the turn must end like a rendered one; not the agent's token
+        ep.completion_ids += close
+        ep.agent_mask += [0] * len(close)
+    result = ep.env.step(msg)
+    if result.done:
+        ep.context.append(msg)
+        ep.latest = (0, [])
+        return
+    cut = [o.model_copy(update={"content": truncate_text(tok, o.content, tool_result_tokens)})
+           if o.role == "tool" else o for o in result.observations]
+    ids = policy.encode(_reply_text(tok, ep.context, msg, cut, tools))
+    full = ids if cut == result.observations else policy.encode(
+        _reply_text(tok, ep.context, msg, result.observations, tools))
+    ep.context += [msg, *cut]
+    ep.completion_ids += ids
+    ep.agent_mask += [0] * len(ids)
+    ep.latest = (len(ids), full)
+
+
+def _reply_text(tok: Any, context: list[Message], msg: Message, observations: list[Message], tools: list) -> str:
+    """The environment's reply as the template renders it after the agent's turn, up to the next
+    generation prompt (the agent's own turn, re-rendered, is cut off: its tokens are the generated ones)."""
+    before = render_prompt(tok, context, tools)
+    after = render_prompt(tok, [*context, msg, *observations], tools)
+    if not after.startswith(before):
+        raise RuntimeError("chat template is not prefix-stable across turns; cannot build multi-turn samples")
+    rest = after[len(before):]
+    return rest[rest.index(TURN_END) + len(TURN_END):]
+
+
+def loss_mask(ep: Episode, filter_lookup_only: bool) -> list[int]:
+    """The agent mask with lookup-only turns removed (keeping the episode's last turn if all are)."""
+    mask = list(ep.agent_mask)
+    if not filter_lookup_only or not ep.turns:
+        return mask
+    drop = [t for t in ep.turns if t[2]]
+    if len(drop) == len(ep.turns):
+        drop = drop[:-1]
+    for start, end, _ in drop:
+        mask[start:end] = [0] * (end - start)
+    return mask
+
+
+def parse_key(prompt: Any) -> tuple[str, int]:
+    """The (source, env seed) a dataset prompt names ("<source>:<seed>")."""
+    source, _, seed = str(prompt).rpartition(":")
+    return source, int(seed)
+
+
+def prompt_key(source: str, seed: int) -> str:
+    return f"{source}:{seed}"
+
+
+class AgentRollout:
+    """TRL `rollout_func`: K multi-turn episodes per group on the trainer's current model.
+
+    Also the place that counts rollouts in the ledger, scores episodes with the (efficiency)
+    reward, closes the reward's epoch and keeps per-iteration statistics for the train log.
+    """
+
+    def __init__(self, policy: Policy, sources: Sequence[TrainSource], cfg: TrainConfig, reward: Any,
+                 on_rollouts: Callable[[int], None], seed: int) -> None:
+        self.policy = policy
+        self.sources = {s.name: s for s in sources}
+        self.cfg = cfg
+        self.reward = reward
+        self.on_rollouts = on_rollouts
+        self.seed = seed
+        self.stats: dict[int, dict[str, Any]] = {}
+        """Iteration (trainer's global_step when generating) -> statistics for the log."""
+        self.last: list[Episode] = []
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        iteration = int(trainer.state.global_step)
+        model = self.policy.model
+        was_training = model.training
+        model.eval()  # no dropout while sampling; TRL switches back for the loss
+        self.policy.clear_prefix_cache()  # the weights changed since the last iteration
+        try:
+            episodes = self._start(prompts)
+            timing = play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
+        finally:
+            model.train(was_training)
+        self.on_rollouts(len(episodes))
+        for ep in episodes:
+            ep.env_reward, _ = ep.env.reward()
+            ep.success = ep.env_reward >= 1.0
+            ep.reward = float(self.reward.score(ep.env_reward, ep.success, ep.tool_calls))
+        masks, zero_std = self._masks(episodes)
+        epoch = self.reward.end_epoch([ep.tool_calls for ep in episodes if ep.success])
+        self.last = episodes
+        n = len(episodes)
+        rewards = [ep.reward for ep in episodes]
+        mean = sum(rewards) / n
+        self.stats[iteration] = {
+            "reward": mean,
+            "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(1, n - 1)) ** 0.5,
+            "success_rate": sum(ep.success for ep in episodes) / n,
+            "frac_reward_zero_std": zero_std,
+            "tool_calls": sum(ep.tool_calls for ep in episodes) / n,
+            "tool_calls_correct": epoch["tool_calls_correct"],
+            "l_t": epoch["l_t"],
+            "completion_tokens": sum(ep.agent_tokens for ep in episodes),
+            "completion_length": sum(ep.agent_tokens for ep in episodes) / n,
+            "trained_tokens": sum(map(sum, masks)),
+            "rollouts": n,
+            "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0},
+        }
+        return {
+            "prompt_ids": [ep.prompt_ids for ep in episodes],
+            "completion_ids": [ep.completion_ids for ep in episodes],
+            "logprobs": None,
+            "env_mask": masks,
+            "reward": rewards,
+            "success": [ep.success for ep in episodes],
+            "tool_calls": [ep.tool_calls for ep in episodes],
+        }
+
+    def _start(self, prompts: list[Any]) -> list[Episode]:
+        keys = [parse_key(p) for p in prompts]
+        by_source: dict[str, list[int]] = {}
+        for source, seed in dict.fromkeys(keys):  # unique, in order
+            if source not in self.sources:
+                raise ValueError(f"prompt names unknown source {source!r}; known: {sorted(self.sources)}")
+            by_source.setdefault(source, []).append(seed)
+        tasks: dict[tuple[str, int], Task] = {}
+        for source, seeds in by_source.items():
+            made = self.sources[source].make_tasks(seeds)
+            if len(made) != len(seeds):
+                raise ValueError(f"make_tasks({seeds}) for {source!r} returned {len(made)} tasks")
+            tasks.update({(source, s): t for s, t in zip(seeds, made, strict=True)})
+        episodes, sample = [], 0
+        for i, key in enumerate(keys):
+            sample = sample + 1 if i and keys[i - 1] == key else 0
+            env = self.sources[key[0]].make_env()
+            env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
+            episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env))
+        return episodes
+
+    def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], float]:
+        masks = [loss_mask(ep, self.cfg.filter_lookup_only) for ep in episodes]
+        k = self.cfg.group_size
+        if len(episodes) % k:
+            raise ValueError(f"{len(episodes)} rollouts are not whole groups of {k}")
+        zero = 0
+        for g in range(0, len(episodes), k):
+            rewards = [ep.reward for ep in episodes[g:g + k]]
+            if max(rewards) - min(rewards) <= 1e-9:  # no learning signal: drop the group
+                zero += 1
+                for i in range(g, g + k):
+                    masks[i] = [0] * len(masks[i])
+        return masks, zero / (len(episodes) // k)
+
+
+def trajectory_reward(prompts: list[Any], completions: list[Any], reward: list[float], **_: Any) -> list[float]:
+    """TRL reward function: the reward AgentRollout computed for each episode (forwarded field)."""
+    return [float(r) for r in reward]
+
+
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+
+def drop_masked_rows(inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """A TRL micro-batch without the episodes whose loss mask is empty, padding columns trimmed.
+
+    Such rows (dropped groups, or whole episodes filtered out) add exactly zero to the loss and
+    its gradient, yet cost a full forward and backward pass; on CPU that is most of an iteration.
+    Returns None when no row is left. Everything else (num_items_in_batch included) is unchanged.
+    """
+    import torch
+
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    keep = mask.sum(-1) > 0
+    if bool(keep.all()):
+        return inputs
+    if not bool(keep.any()):
+        return None
+    rows, width = keep.numel(), mask.shape[1]
+    out = {k: v[keep] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows else v
+           for k, v in inputs.items()}
+    start = int(out["prompt_mask"].any(0).nonzero().min())  # prompts are left-padded
+    end = int(out["completion_mask"].any(0).nonzero().max()) + 1  # completions right-padded
+    for k, v in out.items():
+        if k in PROMPT_KEYS:
+            out[k] = v[:, start:]
+        elif isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == (int(keep.sum()), width):
+            out[k] = v[:, :end]
+    return out
+

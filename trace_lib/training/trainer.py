@@ -1,0 +1,469 @@
+"""Train stage: one LoRA adapter per capability with GRPO on its environment (paper §3.3).
+
+Reads the prepared model folder and one or more environments (a `make_env` factory and a
+`make_tasks(seeds)` generator each); writes, atomically (a temp folder renamed into place):
+
+    out_dir/                      PEFT adapter (`PeftModel.from_pretrained(base, out_dir)` loads it)
+    out_dir/train_log.jsonl       one row per iteration, no timings: the same seed gives the same bytes
+    out_dir/timing.json           seconds per iteration (rollout / total), kept out of the log
+    out_dir/manifest.json         AdapterManifest
+    out_dir/snapshots/iter-<k>/   the adapter after each earlier checkpoint + snapshot.json {iteration,
+                                  rollouts} (`train.snapshots`): the scaling stage's budget points
+
+and appends every episode it rolls out to the caller's RolloutLedger (stage "train", key = name).
+
+One iteration = one optimizer step of TRL's GRPOTrainer on G groups x K rollouts: the dataset
+rows are environment seeds (`seed_offset`, `seed_offset + 1`, ...; row g is group g), TRL repeats
+each K times, and `grpo.AgentRollout` (its `rollout_func`) plays them as multi-turn episodes on
+the trainer's current model. TRL provides the rest: group-normalised advantages, the clipped
+objective (`epsilon`), the KL term (`beta`, 0 by default), optimizer and checkpoints. What we add
+at its hooks: the rollout function and its loss mask (grpo.py); `compute_loss` skipping episodes
+whose mask is empty (TRL would still run their forward and backward passes); a callback that
+builds our log from TRL's metrics and saves our own state next to each TRL checkpoint;
+`_resume_state`, which picks the newest complete checkpoint and rewinds the ledger to it.
+
+Resume: TRL/HF checkpoints (adapter, optimizer, scheduler, RNG, trainer state) go to
+`out_dir.parent/.<name>.ckpt/checkpoint-<step>/` every `save_every` iterations, plus our
+`trace_state.json` (log rows, reward state incl. l_t, ledger rows). A restarted run continues from
+the newest checkpoint that has it and removes the folder once the adapter is written.
+
+Budget: the adapter may spend `rollout_budget` (default iterations x G x K) rollouts; training
+runs as many whole iterations as the ledger's remaining budget pays for. Rows a lost run appended
+after its last checkpoint are dropped on restart: the ledger counts the rollouts behind the
+adapter it ends with.
+
+Backends: 'trl' loads the model with transformers and wraps it with PEFT; 'unsloth' (CUDA only)
+uses `FastLanguageModel` for both, then the same trainer path.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import PrinterCallback, TrainerCallback
+
+from trace_lib.training.budget import RolloutLedger
+from trace_lib.config import Params, TrainConfig
+from trace_lib.envs.base import Environment
+from trace_lib.training.grpo import AgentRollout, TrainSource, drop_masked_rows, prompt_key, trajectory_reward
+from trace_lib.io import atomic_write_text, dumps_json, iter_jsonl, read_json, write_json, write_jsonl
+from trace_lib.records import AdapterManifest, Task
+from trace_lib.training.rewards import make_reward
+
+STAGE = "train"
+STATE_FILE = "trace_state.json"
+SNAPSHOTS = "snapshots"
+"""Sub-folder of an adapter with the adapter of each earlier checkpoint (`train.snapshots`)."""
+LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "tool_calls", "tool_calls_correct",
+            "l_t", "completion_tokens", "completion_length", "trained_tokens")
+"""Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
+TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
+            "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
+
+
+# --- backends and model ---------------------------------------------------------------------------
+def resolve_train_backend(name: str) -> str:
+    """'trl' or 'unsloth' for `train.backend` ('auto': unsloth only with CUDA and an importable unsloth)."""
+    import torch
+
+    if name == "trl":
+        return "trl"
+    if name == "unsloth":
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.backend 'unsloth' needs a CUDA GPU and none is available; "
+                               "use 'trl' (CPU or GPU) or 'auto'")
+        return "unsloth"
+    if name == "auto":
+        if torch.cuda.is_available():
+            try:
+                import unsloth  # noqa: F401
+            except Exception:  # not installed, or unusable on this GPU: TRL works everywhere
+                return "trl"
+            return "unsloth"
+        return "trl"
+    raise ValueError(f"train.backend must be 'auto', 'trl' or 'unsloth', got {name!r}")
+
+
+def lora_config(cfg: TrainConfig, model: Any):
+    """PEFT LoraConfig from the train section, targeting only the listed modules the model has."""
+    from peft import LoraConfig
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    targets = [m for m in cfg.target_modules if m in names]
+    if not targets:
+        raise ValueError(f"train.target_modules {cfg.target_modules} match no module of the model")
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
+    """(Policy over the LoRA-wrapped model, base model id); the adapter is named 'default'."""
+    import torch
+    from transformers import set_seed
+
+    from trace_lib.agent.policy import Policy, load_policy, resolve_model_path
+
+    set_seed(seed)  # the LoRA init draws from the global RNG
+    if backend == "unsloth":
+        from unsloth import FastLanguageModel  # lazy: GPU machines only
+
+        from trace_lib.agent.chat import tool_chat_template
+
+        load, base_id = resolve_model_path(model_dir)
+        model, tokenizer = FastLanguageModel.from_pretrained(model_name=load, dtype=None, load_in_4bit=False)
+        lcfg = lora_config(cfg, model)
+        model = FastLanguageModel.get_peft_model(
+            model, r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
+            target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed)
+        tokenizer.chat_template = tool_chat_template()
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        policy = Policy(model, tokenizer, base_id)
+        policy.set_adapter("default")
+        return policy, base_id
+    from peft import get_peft_model
+
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    policy = load_policy(model_dir, dtype=dtype)
+    policy.model = get_peft_model(policy.model, lora_config(cfg, policy.model))
+    policy.set_adapter("default")  # generate with the adapter being trained, not the base model
+    return policy, policy.base_id
+
+
+# --- curriculum -------------------------------------------------------------------------------------
+def group_sources(weights: Sequence[float], n_groups: int, seed: int) -> list[int]:
+    """Source index of each group, drawn i.i.d. with the mixing weights by a seeded RNG."""
+    if not weights or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"mixing weights must be non-negative with a positive sum, got {list(weights)}")
+    rng = random.Random(f"trace-mixture-{seed}")
+    return rng.choices(range(len(weights)), weights=list(weights), k=n_groups)
+
+
+def train_dataset(sources: Sequence[TrainSource], cfg: TrainConfig, seed: int):
+    """One row per group: prompt "<source>:<env seed>" (what AgentRollout plays)."""
+    from datasets import Dataset
+
+    n = cfg.iterations * cfg.groups
+    which = group_sources([s.weight for s in sources], n, seed) if len(sources) > 1 else [0] * n
+    return Dataset.from_list([{"prompt": prompt_key(sources[w].name, cfg.seed_offset + g)}
+                              for g, w in enumerate(which)])
+
+
+# --- TRL hooks --------------------------------------------------------------------------------------
+class TraceCallback(TrainerCallback):
+    """Builds train_log rows from TRL's metrics + our rollout stats; saves our state with checkpoints."""
+
+    def __init__(self, rollout: AgentRollout, run: dict[str, Any], rollouts_used: Callable[[], int],
+                 save_state: Callable[[Path, int], None]) -> None:
+        self.rollout, self.run, self.rollouts_used, self.save_state = rollout, run, rollouts_used, save_state
+        self._t0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        timing = self.rollout.stats.get(state.global_step - 1, {}).get("_timing", {})
+        self.run["timing"].append({"iteration": state.global_step, "seconds": time.perf_counter() - self._t0,
+                                   **{k: timing[k] for k in sorted(timing)}})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "reward" not in logs:  # the end-of-training summary has no metrics of ours
+            return
+        stats = self.rollout.stats.get(state.global_step - 1, {})
+        row: dict[str, Any] = {"iteration": state.global_step}
+        row.update({k: stats.get(k) for k in LOG_KEYS})
+        row.update({k: logs.get(src) for k, src in TRL_KEYS.items()})
+        row["rollouts"] = self.rollouts_used()
+        self.run["log"].append({k: _round(v) for k, v in row.items()})
+
+    def on_save(self, args, state, control, **kwargs):
+        self.save_state(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step)
+
+
+def keep_snapshot(checkpoint: Path, dest: Path, iteration: int, rollouts: int) -> None:
+    """Copy a checkpoint's adapter (config + weights, no optimizer) to `dest` with its budget: the
+    scaling stage evaluates these instead of retraining at each budget."""
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for fname in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy2(checkpoint / fname, tmp / fname)
+    write_json(tmp / "snapshot.json", {"iteration": iteration, "rollouts": rollouts})
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+
+
+def _round(v: Any) -> Any:
+    return round(v, 6) + 0.0 if isinstance(v, float) else v  # + 0.0: no "-0.0" in the log
+
+
+def _resume_state(ckpt_root: Path) -> tuple[Path | None, dict[str, Any]]:
+    """The newest checkpoint that holds our state file (a crash mid-save leaves one without)."""
+    if ckpt_root.is_dir():
+        found = sorted((int(p.name.split("-")[1]), p) for p in ckpt_root.glob("checkpoint-*")
+                       if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
+        if found:
+            path = found[-1][1]
+            return path, read_json(path / STATE_FILE)
+    return None, {"iteration": 0, "ledger_rows": 0, "log": [], "timing": [], "reward": None}
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Move a finished folder into place; the old one (if any) is removed only after the rename."""
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- the stage --------------------------------------------------------------------------------------
+def train_adapter(model_dir: Path, make_env: Callable[[], Environment], make_tasks: Callable[[list[int]], list[Task]],
+                  cfg: TrainConfig, out_dir: Path, *, seed: int, ledger: RolloutLedger, name: str,
+                  progress: bool = False, env_sha256: str = "") -> AdapterManifest:
+    """Train one LoRA adapter with GRPO on one environment; see the module docstring for outputs."""
+    return train_adapter_mixture(model_dir, [TrainSource(name, make_env, make_tasks)], cfg, out_dir, seed=seed,
+                                 ledger=ledger, name=name, progress=progress, env_sha256=env_sha256)
+
+
+def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: TrainConfig, out_dir: Path, *,
+                          seed: int, ledger: RolloutLedger, name: str, progress: bool = False,
+                          env_sha256: str = "") -> AdapterManifest:
+    """Train one adapter on several environments: each group's source is drawn with the sources' weights."""
+    if len({s.name for s in sources}) != len(sources) or not sources:
+        raise ValueError(f"need one or more sources with distinct names, got {[s.name for s in sources]}")
+    if any(":" in s.name for s in sources):
+        raise ValueError("source names must not contain ':'")
+    out_dir = Path(out_dir)
+    if Path(ledger.path).resolve().is_relative_to(out_dir.resolve()):
+        raise ValueError(f"the ledger {ledger.path} must live outside out_dir {out_dir} (out_dir is replaced whole)")
+    backend = resolve_train_backend(cfg.backend)
+    _micro_batch(cfg)
+    per_iter = cfg.groups * cfg.group_size
+    budget = cfg.rollout_budget or cfg.iterations * per_iter
+    ckpt_root = out_dir.parent / f".{name}.ckpt"
+    ckpt, state = _resume_state(ckpt_root)
+    dropped = ledger.rewind(STAGE, name, state["ledger_rows"])
+    if dropped:
+        warnings.warn(f"{ledger.path}: dropped {dropped} rollouts of {name!r} logged after the last checkpoint",
+                      stacklevel=2)
+    done = int(state["iteration"])
+    iterations = min(cfg.iterations, done + ledger.remaining(budget, STAGE, name) // per_iter)
+    if iterations < 1:
+        raise ValueError(f"rollout budget {budget} cannot pay for one iteration of {per_iter} rollouts")
+
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    policy, base_id = load_trainable(Path(model_dir), cfg, backend, seed)
+    reward = make_reward(cfg.reward)
+    if state["reward"] is not None:
+        reward.load_state_dict(state["reward"])
+    run: dict[str, Any] = {"log": list(state["log"]), "timing": list(state["timing"])}
+    rollout = AgentRollout(policy, sources, cfg, reward, lambda n: ledger.add(STAGE, n, key=name), seed)
+
+    def save_state(folder: Path, iteration: int) -> None:
+        write_json(folder / STATE_FILE, {"iteration": iteration, "ledger_rows": ledger.count(STAGE, name),
+                                         "log": run["log"], "timing": run["timing"],
+                                         "reward": reward.state_dict()})
+        if cfg.snapshots:
+            keep_snapshot(folder, ckpt_root / SNAPSHOTS / f"iter-{iteration}", iteration, ledger.used(STAGE, name))
+
+    callback = TraceCallback(rollout, run, lambda: ledger.used(STAGE, name), save_state)
+    trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress)
+    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+
+    manifest = AdapterManifest(
+        capability_id=name, path=str(out_dir), base_model=base_id, env_sha256=env_sha256, backend=backend,
+        rollouts_used=ledger.used(STAGE, name), iterations=len(run["log"]),
+        final_reward=run["log"][-1]["reward"] if run["log"] else None,
+        config={"train": cfg.model_dump(mode="json"), "seed": seed,
+                "sources": {s.name: s.weight for s in sources}, "budget": budget},
+    )
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a crash while writing
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    policy.model.save_pretrained(tmp)
+    atomic_write_text(tmp / "train_log.jsonl", "".join(dumps_json(r) + "\n" for r in run["log"]))
+    times = [t["seconds"] for t in run["timing"]]
+    write_json(tmp / "timing.json", {"iterations": run["timing"], "total_seconds": sum(times),
+                                     "seconds_per_iteration": sum(times) / len(times) if times else None})
+    write_json(tmp / "manifest.json", manifest.model_dump(mode="json"))
+    for snap in sorted((ckpt_root / SNAPSHOTS).glob("iter-*")):
+        if int(snap.name.split("-")[1]) < len(run["log"]):  # the last one is the adapter itself
+            (tmp / SNAPSHOTS).mkdir(exist_ok=True)
+            os.replace(snap, tmp / SNAPSHOTS / snap.name)
+    _replace_dir(tmp, out_dir)
+    shutil.rmtree(ckpt_root, ignore_errors=True)
+    return manifest
+
+
+def _micro_batch(cfg: TrainConfig) -> int:
+    import torch
+
+    auto = cfg.group_size if torch.cuda.is_available() else 1
+    micro, per_iter = cfg.micro_batch or auto, cfg.groups * cfg.group_size
+    if per_iter % micro:
+        raise ValueError(f"train.micro_batch ({micro}) must divide groups x group_size ({per_iter})")
+    return micro
+
+
+def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, callback, ckpt_root: Path,
+                  iterations: int, seed: int, progress: bool):
+    """TRL's GRPOTrainer set up for one optimizer step per G x K episodes."""
+    import torch
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
+    from trl import GRPOConfig, GRPOTrainer
+
+    class AgentGRPOTrainer(GRPOTrainer):
+        """TRL's trainer, minus the forward/backward of episodes whose loss mask is empty.
+
+        TRL keeps zero-advantage (and fully masked) rows in the batch; they contribute exactly
+        nothing, and on CPU they were most of an iteration (~70 s per 2.5k-token episode).
+        """
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            kept = drop_masked_rows(inputs)
+            if kept is None:  # a zero loss still connected to the trainable weights, for backward()
+                return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            return super().compute_loss(model, kept, return_outputs, num_items_in_batch)
+
+    micro, per_iter = _micro_batch(cfg), cfg.groups * cfg.group_size
+    args = GRPOConfig(
+        output_dir=str(ckpt_root), seed=seed, max_steps=iterations,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=per_iter // micro,
+        steps_per_generation=per_iter // micro, num_generations=cfg.group_size, shuffle_dataset=False,
+        learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        beta=cfg.beta, epsilon=cfg.epsilon, temperature=cfg.temperature, loss_type="dapo", scale_rewards="group",
+        logging_steps=1, save_strategy="steps", save_steps=cfg.save_every, save_total_limit=2,
+        report_to="none", disable_tqdm=not progress, bf16=torch.cuda.is_available(),
+        # Multi-turn episodes are long (SmolLM2 on retail: ~1.8k prompt + ~1k completion tokens); without
+        # checkpointing 4 of them took more than 24 GB on CPU.
+        activation_checkpointing=True,
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, remove_unused_columns=False,
+    )
+    tok = policy.tokenizer
+    tok.padding_side = "left"  # what TRL expects of its processing class; Policy pads by itself
+    trainer = AgentGRPOTrainer(model=policy.model, reward_funcs=[trajectory_reward], args=args,
+                               train_dataset=train_dataset(sources, cfg, seed), processing_class=tok,
+                               rollout_func=rollout, callbacks=[callback])
+    if not progress:  # with tqdm off, HF prints every log dict instead; our log is train_log.jsonl
+        trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+
+def read_train_log(out_dir: Path) -> list[dict[str, Any]]:
+    """The rows of `out_dir/train_log.jsonl`, one per iteration."""
+    return list(iter_jsonl(Path(out_dir) / "train_log.jsonl"))
+
+
+# --- the dvc stage ----------------------------------------------------------------------------------
+def train_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
+    return {"adapters": root / "data" / "adapters", "ledgers": root / "data" / "train",
+            "manifests": root / "data" / "adapters" / "manifests.jsonl",
+            "metrics": root / "reports" / "metrics" / "train.json", "model": root / params.model.out_dir,
+            "curves": root / "reports" / "train"}
+
+
+def _sandbox_limits(params: Params):
+    from trace_lib.synth.sandbox import SandboxLimits
+
+    v = params.synthesize.validation
+    # The validation CPU limit is a lifetime limit for a short check; a worker serving a whole training
+    # run spends more, so it gets an hour (wall-time per request and memory stay as validated).
+    return SandboxLimits(timeout_s=v.timeout_s, cpu_s=max(v.cpu_s, 3600), memory_mb=v.memory_mb)
+
+
+def target_source(params: Params) -> TrainSource:
+    """The target environment's train tasks as a training source (the 'GRPO on target' baseline)."""
+    from trace_lib.envs import make_env, make_tasks
+
+    tasks = make_tasks(params.env, params.rollout.split)
+    if not tasks:
+        raise ValueError(f"the target {params.env.name!r} has no {params.rollout.split!r} tasks to train on")
+    return TrainSource("target", lambda: make_env(params.env),
+                       lambda seeds: [tasks[s % len(tasks)] for s in seeds])
+
+
+def synthetic_source(box, capability: str, params: Params, weight: float = 1.0) -> TrainSource:
+    """A validated synthetic environment (served by the sandbox `box`) as a training source."""
+    from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+
+    return TrainSource(capability,
+                       lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode),
+                       lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train"),
+                       weight)
+
+
+def _fresh_ledger(path: Path, out_dir: Path, name: str) -> RolloutLedger:
+    """The adapter's ledger: kept when a checkpoint will resume the run, else started empty (a rerun
+    of the stage trains from scratch and must not count the previous run's rollouts)."""
+    if not (out_dir.parent / f".{name}.ckpt").is_dir():
+        path.unlink(missing_ok=True)
+    return RolloutLedger(path)
+
+
+def run_train(params: Params, root: Path = Path("."), progress: bool = False) -> dict[str, Any]:
+    """The whole stage: one adapter per validated environment, then the baselines at TRACE's budget;
+    each adapter's curves also go to `reports/train/<name>.csv` (dvc plots)."""
+    from contextlib import ExitStack
+
+    from trace_lib.evaluation.inputs import adapter_dir, ledger_path, trace_budget
+    from trace_lib.synth.sandbox import SandboxProcess
+    from trace_lib.synth.synthesize import valid_envs
+
+    paths = train_paths(params, root)
+    cfg = params.train
+    envs = valid_envs(root)
+    manifests: list[AdapterManifest] = []
+    with ExitStack() as stack:
+        boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, _sandbox_limits(params)))
+                 for m in envs}
+        for m in envs:
+            source = synthetic_source(boxes[m.capability_id], m.capability_id, params)
+            manifests.append(train_adapter_mixture(
+                paths["model"], [source], cfg, adapter_dir(root, m.capability_id), seed=params.seed,
+                ledger=_fresh_ledger(ledger_path(root, m.capability_id), adapter_dir(root, m.capability_id),
+                                     m.capability_id), name=m.capability_id,
+                progress=progress, env_sha256=m.sha256))
+        budget = trace_budget(root, [m.capability_id for m in envs])["total"] if envs else 0
+        per_iter = cfg.groups * cfg.group_size
+        baselines = {"grpo_target": lambda: [target_source(params)],
+                     "merged_data": lambda: [synthetic_source(boxes[m.capability_id], m.capability_id, params,
+                                                              cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
+        skipped: dict[str, str] = {}
+        for name in cfg.baselines:
+            if name == "merged_data" and len(envs) < 2:
+                skipped[name] = f"needs two or more synthetic environments, have {len(envs)}"
+                continue
+            if budget < per_iter:
+                skipped[name] = f"TRACE spent {budget} rollouts, less than one iteration ({per_iter})"
+                continue
+            bcfg = cfg.model_copy(update={"rollout_budget": budget, "iterations": budget // per_iter})
+            manifests.append(train_adapter_mixture(
+                paths["model"], baselines[name](), bcfg, adapter_dir(root, name, baseline=True), seed=params.seed,
+                ledger=_fresh_ledger(ledger_path(root, name, baseline=True), adapter_dir(root, name, baseline=True),
+                                     name), name=name, progress=progress))
+    write_jsonl(paths["manifests"], manifests)
+    from trace_lib.plots.train import write_train_csvs  # lazy: matplotlib
+
+    write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths["curves"])
+    metrics = {
+        "backend": resolve_train_backend(cfg.backend),
+        "adapters": {m.capability_id: {"rollouts": m.rollouts_used, "iterations": m.iterations,
+                                       "final_reward": m.final_reward} for m in manifests},
+        "trace_budget": budget, "baselines_skipped": skipped,
+        "note": "no validated environments: no adapters trained" if not envs else "",
+    }
+    write_json(paths["metrics"], metrics)
+    return metrics
