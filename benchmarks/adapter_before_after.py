@@ -2,7 +2,7 @@
 
 Reads the outputs of `dvc repro` (data/model, data/envs, data/adapters) and params.yaml; prints one
 JSON object (the interference matrix in long form, plus seconds) and writes nothing else. Tasks are
-the environments' seeds from 1,000,000 up (`evaluate.INTERFERENCE_SEED0`), never a validation or a
+the environments' seeds from 1,000,000 up (`evaluation.runner.INTERFERENCE_SEED0`), never a validation or a
 training seed. Greedy decoding, as the evaluate stage.
 
     .venv/bin/python benchmarks/adapter_before_after.py --seeds 8
@@ -16,11 +16,15 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from trace_lib.agent.policy import load_policy
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.inputs import find_adapters
-from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
-from trace_lib.agent.policy import load_policy
+from trace_lib.evaluation.runner import (
+    INTERFERENCE_SEED0,
+    eval_rollout_config,
+    interference_matrix,
+)
 from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
 from trace_lib.synth.synthesize import valid_envs
 

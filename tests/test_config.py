@@ -1,25 +1,53 @@
 """params.yaml loading: profiles, defaults, and errors that name the key."""
 
+import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from trace_lib.config import ConfigError, load_params, params_from_dict
+from trace_lib.config import ConfigError, ProfileOverride, load_params, params_from_dict, profile_overrides
 
 
 def test_defaults_are_cpu_profile():
     p = params_from_dict({})
     assert p.profile == "cpu"
     assert p.model.id == "smollm2-135m"
-    assert p.rollout.temperature == 0.7
+    assert p.rollout.temperature == 0.3 and p.train.iterations == 2 and p.env.tasks_per_family == 2
 
 
-def test_paper_profile_sets_budgets_but_file_wins():
-    p = params_from_dict({"profile": "paper", "rollout": {"batch_size": 4}})
+def test_paper_profile_sets_budgets_but_file_wins_and_says_so():
+    with pytest.warns(ProfileOverride, match=r"rollout.batch_size: 4 replaces profile 'paper''s 32"):
+        p = params_from_dict({"profile": "paper", "rollout": {"batch_size": 4}})
     assert p.model.id == "meta-llama/Llama-3.1-8B-Instruct"
     assert p.rollout.temperature == 0.0
     assert p.rollout.batch_size == 4
+
+
+def test_repo_params_yaml_switches_to_the_paper_with_one_key(tmp_path: Path):
+    """`profile: paper` in the repo's own params.yaml gives the paper's model and budgets: the file pins
+    no size of either profile, so nothing is overridden (and nothing is warned about)."""
+    repo = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((repo / "params.yaml").read_text())
+    assert profile_overrides(data) == {}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({**data, "profile": "paper"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProfileOverride)
+        paper = load_params(path)
+        cpu = load_params(repo / "params.yaml")
+    assert paper.model.id == "meta-llama/Llama-3.1-8B-Instruct" and cpu.model.id == "smollm2-135m"
+    assert (paper.train.iterations, paper.train.groups, paper.train.group_size, paper.train.lora_rank) == (40, 64, 16, 16)
+    assert paper.train.learning_rate == 1e-5 and paper.train.baselines == ["grpo_target", "merged_data"]
+    assert (paper.env.tasks_per_family, paper.env.max_steps, paper.rollout.max_new_tokens) == (64, 30, 512)
+    assert paper.synthesize.validation.band is True and cpu.synthesize.validation.band is False
+    assert (cpu.train.iterations, cpu.train.groups, cpu.train.learning_rate) == (2, 2, 5e-4)
+
+
+def test_profile_overrides_lists_only_values_that_differ():
+    data = {"profile": "paper", "train": {"iterations": 2, "groups": 64}, "model": {"id": "x"}, "seed": 3}
+    assert profile_overrides(data) == {"train.iterations": (40, 2), "model.id": ("meta-llama/Llama-3.1-8B-Instruct", "x")}
+    assert profile_overrides({"train": {"groups": 2}}) == {}  # the cpu profile's own value
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from trace_lib.analyst.detectors import DETECTORS, Detector, call_events, detect, detector_capabilities
+from trace_lib.analyst.detectors import (
+    DETECTORS,
+    Detector,
+    call_events,
+    detect,
+    detector_capabilities,
+)
 from trace_lib.records import Message, Task, ToolCall, Trajectory, UserScenario
 
 KINDS = {"find_user_id_by_email": "read", "get_order_details": "read", "get_user_details": "read",
@@ -230,7 +236,7 @@ def test_unknown_capability_and_broken_trajectory_are_recorded_not_raised(monkey
 
 
 def test_detector_vocabulary_matches_the_families():
-    from trace_lib.envs.families import CAPABILITY_TAGS
+    from trace_lib.capabilities import CAPABILITY_TAGS
 
     assert set(DETECTORS) == set(CAPABILITY_TAGS)
     assert [c.id for c in detector_capabilities()] == list(DETECTORS)

@@ -7,25 +7,29 @@ import json
 
 import numpy as np
 import pytest
-
 from test_detectors import play_retail, retail_kinds, retail_tasks
 from test_llm import FakeMessagesAPI, _message
-from trace_lib.config import DiscoverConfig, params_from_dict
+
 from trace_lib.analyst.discover import (
-    discover_capabilities,
-    discover_paths,
+    Proposal,
     failure_batches,
     merge_capabilities,
+    merge_proposals,
+    proposal_records,
+    proposal_rows,
     propose_all,
     propose_llm,
     propose_rules,
-    run_discover,
     slug,
 )
-from trace_lib.io import read_jsonl, write_jsonl
 from trace_lib.analyst.llm import LLMClient, ledger_totals
+from trace_lib.analyst.render import cut, render_for_analyst, tools_block
+from trace_lib.config import DiscoverConfig, params_from_dict
+from trace_lib.io import read_jsonl, write_jsonl
+from trace_lib.paths import Paths
 from trace_lib.records import Capability, Label, Trajectory
-from trace_lib.analyst.score import run_score, score_paths
+from trace_lib.stages.discover import run_discover
+from trace_lib.stages.score import run_score
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_discover_with_rules_pools_runs_and_keeps_evidence(retail_runs):
     cfg = DiscoverConfig(batch_size=4, runs=3)
     proposals, errors = propose_all(trajs, tasks, retail_kinds(), cfg, None, seed=0)
     assert errors == [] and {p.run for p in proposals} == {0, 1, 2}
-    caps = discover_capabilities(trajs, tasks, retail_kinds(), cfg, None, seed=0)
+    caps = merge_proposals(proposals, cfg, None)
     ids = [c.id for c in caps]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     conf = next(c for c in caps if c.id == "confirmation_before_write")
@@ -165,18 +169,26 @@ def _params(tmp_path):
 def test_discover_and_score_stages_on_retail(tmp_path, retail_runs):
     _, trajs = retail_runs
     params = _params(tmp_path)
-    write_jsonl(discover_paths(params, tmp_path)["trajectories"], trajs)
+    paths = Paths(tmp_path)
+    write_jsonl(paths.rollouts(params.rollout.split), trajs)
     d = run_discover(params, tmp_path)
     assert d["analyst"] == "rules" and d["failures"] == sum(not t.success for t in trajs) and d["candidates"] >= 2
+    assert json.loads(paths.metrics("discover").read_text()) == d
+    proposals = proposal_rows(read_jsonl(paths.proposals, Capability))
+    assert len(proposals) == d["proposals"] and set(proposals["run"]) == {0, 1}
+    assert {c.id for c in read_jsonl(paths.capabilities, Capability)} == set(proposals["capability"])
     s = run_score(params, tmp_path)
-    paths = score_paths(params, tmp_path)
     assert s["kept"] == ["communicate_result", "confirmation_before_write"]
+    assert json.loads(paths.metrics("score").read_text()) == s
     n_tags = len({tag for t in retail_tasks(2) for tag in t.capability_tags})
     assert s["ground_truth"]["precision"] == 1.0 and s["ground_truth"]["recall"] == pytest.approx(2 / n_tags)
-    kept = read_jsonl(paths["kept"], Capability)
+    kept = read_jsonl(paths.kept, Capability)
     assert [c.id for c in kept] == s["kept"] and all(c.evidence for c in kept)
-    assert len(read_jsonl(paths["labels"], Label)) == len(trajs) * d["candidates"]
-    before = {p: p.read_bytes() for p in paths.values() if p.exists() and p.suffix in (".jsonl", ".json")}
+    assert len(read_jsonl(paths.labels, Label)) == len(trajs) * d["candidates"]
+    written = [paths.proposals, paths.capabilities, paths.labels, paths.scores, paths.score_runs, paths.kept,
+               paths.metrics("discover"), paths.metrics("score")]
+    assert not paths.discover_ledger.exists() and not paths.score_ledger.exists()  # the rules analyst calls no LLM
+    before = {p: p.read_bytes() for p in written}
     run_discover(params, tmp_path)
     run_score(params, tmp_path)
     assert {p: p.read_bytes() for p in before} == before
@@ -185,7 +197,7 @@ def test_discover_and_score_stages_on_retail(tmp_path, retail_runs):
 def test_discover_stage_without_failures(tmp_path, retail_runs):
     _, trajs = retail_runs
     params = _params(tmp_path)
-    write_jsonl(discover_paths(params, tmp_path)["trajectories"], [t for t in trajs if t.success])
+    write_jsonl(Paths(tmp_path).rollouts(params.rollout.split), [t for t in trajs if t.success])
     d = run_discover(params, tmp_path)
     assert d["candidates"] == 0 and d["note"] == "no failures: nothing to discover"
     s = run_score(params, tmp_path)
@@ -195,3 +207,32 @@ def test_discover_stage_without_failures(tmp_path, retail_runs):
 def test_trajectories_round_trip_for_the_stage(retail_runs):
     _, trajs = retail_runs
     assert Trajectory.model_validate_json(trajs[0].model_dump_json()) == trajs[0]
+
+
+def test_proposal_records_keep_run_and_batch_in_the_source():
+    cap = Capability(id="confirm_first", name="Confirm first", description="d", evidence=["t1", "t2"],
+                     source="anthropic:claude-sonnet-4-5")
+    records = proposal_records([Proposal(0, 3, cap), Proposal(11, 0, cap.model_copy(update={"evidence": []}))])
+    assert [r.source for r in records] == ["anthropic:claude-sonnet-4-5 run 0 batch 3",
+                                           "anthropic:claude-sonnet-4-5 run 11 batch 0"]
+    assert records[0].model_copy(update={"source": cap.source}) == cap  # only the source changes
+    rows = proposal_rows(records + [cap])
+    assert list(rows.columns) == ["capability", "evidence", "source", "run", "batch"]
+    assert rows[["capability", "evidence"]].values.tolist() == [["confirm_first", 2], ["confirm_first", 0],
+                                                                ["confirm_first", 2]]
+    assert rows["run"].tolist()[:2] == [0, 11] and rows["batch"].tolist()[:2] == [3, 0]
+    assert rows[["run", "batch"]].iloc[2].isna().all()  # a source without 'run R batch B'
+    empty = proposal_rows([])
+    assert empty.empty and list(empty.columns) == list(rows.columns)
+
+
+def test_analyst_view_of_a_trajectory(retail_runs):
+    tasks, trajs = retail_runs
+    traj = next(t for t in trajs if not t.success)
+    task = next(t for t in tasks if t.id == traj.task_id)
+    text = render_for_analyst(traj, task, 50)
+    assert text.startswith(f"Task: {task.instruction}\n[{traj.id}] family=")
+    assert len(text) <= len(f"Task: {task.instruction}\n") + 400 + len("\n…[99999 chars cut]")
+    assert "chars cut]" in text and render_for_analyst(traj, None, 50).startswith(f"[{traj.id}]")
+    assert cut("abcdef", 6) == "abcdef" and cut("abcdef", 4) == "abcd\n…[2 chars cut]"
+    assert tools_block({"b": "write", "a": "read"}) == "- a: read\n- b: write" and tools_block({}) == "- (none)"

@@ -7,16 +7,21 @@ import importlib.util
 import json
 
 import pytest
-
 from test_llm import KEY, FakeMessagesAPI, _message
 from toy import KVEnv, kv_task
-from trace_lib.training.budget import RolloutLedger
+
+from trace_lib.agent.policy import load_policy
+from trace_lib.analyst.llm import LLMClient
 from trace_lib.config import Params, RolloutConfig
 from trace_lib.evaluation.gepa import (
-    REFLECTION_SYSTEM, RULES_REASON, STAGE, gepa_status, llm_reflection, optimize_system_prompt,
+    REFLECTION_SYSTEM,
+    RULES_REASON,
+    STAGE,
+    gepa_status,
+    llm_reflection,
+    optimize_system_prompt,
 )
-from trace_lib.analyst.llm import LLMClient
-from trace_lib.agent.policy import load_policy
+from trace_lib.training.budget import RolloutLedger
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
 SEED_PROMPT = "You look up values."
@@ -104,7 +109,7 @@ def test_gepa_status_reasons(monkeypatch):
 def test_run_evaluate_gepa_row(tmp_path, tiny_model_dir, monkeypatch):
     """The stage with an anthropic analyst (local server via ANTHROPIC_BASE_URL): GEPA spends at most
     TRACE's budget (6 band-check rollouts here), writes its prompt and ledger, and its row is evaluated."""
-    from trace_lib.evaluation.runner import run_evaluate
+    from trace_lib.stages.evaluate import run_evaluate
 
     RolloutLedger(tmp_path / "data" / "envs" / "rollouts.jsonl").add("synthesize", 6, "band")
     params = Params.model_validate({

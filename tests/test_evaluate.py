@@ -6,22 +6,37 @@ import json
 
 import pytest
 import torch
-
 from toy import KVEnv, kv_task
-from trace_lib.training.budget import RolloutLedger
-from trace_lib.routing.compose import merge_label
+
+from trace_lib.agent.policy import load_policy
 from trace_lib.config import Params, RolloutConfig
 from trace_lib.evaluation.gepa import RULES_REASON, gepa_status
-from trace_lib.evaluation.inputs import adapter_budget, find_adapters, ledger_path, trace_budget
-from trace_lib.evaluation.tables import MethodRun, markdown, routing_table, summarize_runs, table1, table1_long
+from trace_lib.evaluation.inputs import adapter_budget, find_adapters, trace_budget
 from trace_lib.evaluation.runner import (
-    EvaluateConfig, evaluate_policy, interference_matrix, oracle_decisions, route_all, route_groups,
-    routing_quality, with_top_p,
+    EvaluateConfig,
+    evaluate_policy,
+    interference_matrix,
+    oracle_decisions,
+    route_all,
+    route_groups,
+    routing_quality,
+    with_top_p,
+)
+from trace_lib.evaluation.tables import (
+    MethodRun,
+    markdown,
+    not_run_table,
+    routing_table,
+    summarize_runs,
+    table1,
+    table1_long,
 )
 from trace_lib.io import write_json
-from trace_lib.agent.policy import load_policy
+from trace_lib.paths import Paths
 from trace_lib.records import AdapterManifest, Message, Task, Trajectory, UserScenario
+from trace_lib.routing.compose import merge_label
 from trace_lib.routing.route import RouteCandidate, RouteDecision
+from trace_lib.training.budget import RolloutLedger
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
 
@@ -257,11 +272,11 @@ def test_baseline_row_at_equal_budget_from_ledgers(tmp_path):
     _adapter(tmp_path, "grpo_target", 0, baseline=True)
     (tmp_path / "data" / "adapters" / ".a.ckpt").mkdir()  # checkpoints and temp folders are skipped
     for name, rows in (("a", [160, 140]), ("b", [340])):
-        ledger = RolloutLedger(ledger_path(tmp_path, name))
+        ledger = RolloutLedger(Paths(tmp_path).train_ledger(name))
         for n in rows:
             ledger.add("train", n, key=name)
     RolloutLedger(tmp_path / "data" / "envs" / "rollouts.jsonl").add("band", 20, key="a")
-    RolloutLedger(ledger_path(tmp_path, "grpo_target", baseline=True)).add("train", 660, key="grpo_target")
+    RolloutLedger(Paths(tmp_path).train_ledger("grpo_target", baseline=True)).add("train", 660, key="grpo_target")
 
     caps, baselines = find_adapters(tmp_path)
     assert sorted(caps) == ["a", "b"] and sorted(baselines) == ["grpo_target"]
@@ -270,7 +285,7 @@ def test_baseline_row_at_equal_budget_from_ledgers(tmp_path):
     assert budget == {"total": 660, "by_adapter": {"a": 300, "b": 340}, "synthesize": 20}
     n, src = adapter_budget(tmp_path, "grpo_target", baseline=True)
     assert (n, src) == (660, "data/train/_baselines/grpo_target/rollouts.jsonl")
-    ledger_path(tmp_path, "a").unlink()
+    Paths(tmp_path).train_ledger("a").unlink()
     assert adapter_budget(tmp_path, "a") == (300, "manifest")  # no ledger: the manifest's count
 
     runs = [MethodRun("base", "base", "base", [traj("t0", False)], budget=0),
@@ -301,7 +316,7 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     """The whole stage on 2 retail test tasks with two (random) capability adapters and no synthetic envs."""
     import shutil
 
-    from trace_lib.evaluation.runner import run_evaluate
+    from trace_lib.stages.evaluate import run_evaluate
 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     for cap, src in (("precondition_verification", "a"), ("structured_data_reasoning", "b")):
@@ -336,6 +351,9 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     assert len((out / "routes" / "trace_top_p.jsonl").read_text().splitlines()) == 2
     results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in results} == ran - {"single_best"}
+    skipped = not_run_table(metrics)
+    assert list(skipped.columns) == ["method", "reason"] and len(skipped) == len(methods) - len(ran)
+    assert skipped.set_index("method").loc["GEPA (system prompt)", "reason"] == RULES_REASON
     table = (tmp_path / "reports" / "tables" / "table1.md").read_text()
     assert "| order_total | refuse_cancel | overall | rollouts | budget vs TRACE | note |" in table
     assert f"not run: {RULES_REASON}" in table

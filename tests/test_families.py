@@ -2,9 +2,9 @@
 
 import pytest
 
+from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.config import EnvConfig
 from trace_lib.envs.families import (
-    CAPABILITY_TAGS,
     FAMILIES,
     core_tool_names,
     family_names,

@@ -11,8 +11,18 @@ matplotlib.use("Agg")
 
 import pytest
 
-from trace_lib.plots.train import (CSV_COLUMNS, base_pass_rate, curves_against_base, train_log_csv,
-                                   training_curves, write_train_csvs)
+from trace_lib.plots.train import (
+    ADAPTER_COLUMNS,
+    CSV_COLUMNS,
+    adapter_table,
+    base_pass_rate,
+    curves_against_base,
+    last_iterations,
+    train_log_csv,
+    training_curves,
+    write_train_csvs,
+)
+from trace_lib.records import AdapterManifest
 
 
 def log_row(iteration: int, success: float, reward: float | None = None, **kw) -> dict:
@@ -90,3 +100,20 @@ def test_figures_without_iterations_still_draw(logs):
     fig = curves_against_base(logs)
     assert fig.axes and not any(dashed(ax) for ax in fig.axes)
     assert training_curves(logs).axes
+
+
+def test_adapter_table_one_row_per_manifest_with_its_timing():
+    manifests = [AdapterManifest(capability_id=name, path=f"/x/{name}", base_model="tiny", env_sha256="", backend="trl",
+                                 rollouts_used=n, iterations=n // 8, final_reward=r)
+                 for name, n, r in (("b", 16, 0.5), ("a", 8, None))]
+    table = adapter_table(manifests, {"a": {"seconds_per_iteration": 2.5}, "b": {"seconds_per_iteration": None}})
+    assert tuple(table.columns) == ADAPTER_COLUMNS and list(table["adapter"]) == ["b", "a"]  # the manifests' order
+    assert table.iloc[0][["rollouts", "iterations", "final_reward"]].tolist() == [16, 2, 0.5]
+    assert table.iloc[1]["seconds_per_iteration"] == 2.5 and table.iloc[1]["backend"] == "trl"
+    assert adapter_table([], {}).empty and tuple(adapter_table([], {}).columns) == ADAPTER_COLUMNS
+
+
+def test_last_iterations_skips_adapters_without_a_log():
+    table = last_iterations({"a": [log_row(1, 0.25), log_row(2, 0.5)], "b": []})
+    assert list(table["adapter"]) == ["a"] and table.iloc[0]["iteration"] == 2 and table.iloc[0]["success_rate"] == 0.5
+    assert list(table.columns[:2]) == ["adapter", "iteration"]

@@ -6,15 +6,14 @@ import json
 
 import pytest
 
-from trace_lib.config import params_from_dict
 from trace_lib.agent.model import (
-    main,
-    prepare_model,
     resolve_model,
     sha256_file,
     smollm2_gguf_path,
     weights_sha256,
 )
+from trace_lib.config import params_from_dict
+from trace_lib.stages.prepare_model import run_prepare_model
 
 
 def test_gguf_is_found():
@@ -41,11 +40,10 @@ def test_pointer_loads_as_a_policy(tiny_model_dir, tmp_path):
 
 
 def test_prepare_model_reads_params(tiny_model_dir, tmp_path):
-    params = params_from_dict({"model": {"id": str(tiny_model_dir), "out_dir": str(tmp_path / "m")}})
-    assert prepare_model(params) == tmp_path / "m" and (tmp_path / "m" / "model.json").is_file()
-    (tmp_path / "params.yaml").write_text(f"model:\n  id: {tiny_model_dir}\n  out_dir: {tmp_path / 'n'}\n")
-    main(["--params", str(tmp_path / "params.yaml")])
-    assert (tmp_path / "n" / "model.json").is_file()
+    params = params_from_dict({"model": {"id": str(tiny_model_dir), "out_dir": "m", "dtype": "float32"}})
+    metrics = run_prepare_model(params, tmp_path)
+    assert metrics["model_dir"] == str(tmp_path / "m") and (tmp_path / "m" / "model.json").is_file()
+    assert metrics["model"]["source"] == "local" and metrics["model"]["dtype"] == "float32"
 
 
 def test_unreachable_hub_id_fails_clearly(tmp_path, monkeypatch):

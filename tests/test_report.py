@@ -16,7 +16,15 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from trace_lib.stages.report import export_notebooks, git_commit, lock_digest, markdown_html, run_report, table_order
+from trace_lib.config import Params, load_params
+from trace_lib.stages.report import (
+    export_notebooks,
+    git_commit,
+    lock_digest,
+    markdown_html,
+    run_report,
+    table_order,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE1 = "# Table 1\n\nSuccess rate (%).\n\n| method | retail |\n| --- | --- |\n| base | 24.0 |\n| TRACE | 44.0 |\n"
@@ -101,7 +109,7 @@ def test_git_commit_is_none_outside_a_checkout(tmp_path: Path):
 
 
 def test_run_report_writes_index_and_metrics(tree: Path):
-    metrics = run_report(tree)
+    metrics = run_report(load_params(tree / "params.yaml"), tree)
     assert metrics == {"notebooks": 2, "exported": ["00_alpha", "01_beta"], "tables": 3, "metrics_files": 1,
                        "figures": 2}
     assert json.loads((tree / "reports" / "metrics" / "report.json").read_text()) == metrics
@@ -118,12 +126,12 @@ def test_run_report_writes_index_and_metrics(tree: Path):
     assert not re.search(r'(src|href)="(https?:)?//', page)
     first = page.encode()
     (tree / "dvc.lock").write_text(fake_lock("new"))  # only the report's own entry changed
-    run_report(tree)
+    run_report(load_params(tree / "params.yaml"), tree)
     assert (tree / "reports" / "index.html").read_bytes() == first, "same inputs must give the same bytes"
 
 
 def test_run_report_with_nothing_upstream(tmp_path: Path):
-    metrics = run_report(tmp_path)
+    metrics = run_report(Params(), tmp_path)
     assert metrics["notebooks"] == metrics["tables"] == metrics["figures"] == 0
     assert (tmp_path / "reports" / "html").is_dir()
     page = (tmp_path / "reports" / "index.html").read_text()
@@ -176,7 +184,7 @@ def browser_check(page: Path, tmp_path: Path) -> dict:
 
 def test_index_renders_in_chromium(tree: Path, tmp_path: Path):
     chromium()
-    run_report(tree)
+    run_report(load_params(tree / "params.yaml"), tree)
     seen = browser_check(tree / "reports" / "index.html", tmp_path)
     control = [i for i in seen["images"] if i["id"] == "control"]
     assert control == [{"id": "control", "src": "figures/does-not-exist.png", "loaded": False}]

@@ -13,7 +13,6 @@ from trace_lib.envs.retail import (
     load_base_db,
     retail_tool_specs,
 )
-from trace_lib.envs.said import normalize_text, output_found
 from trace_lib.records import Message, Task, ToolCall
 
 WRITE_FAMILIES = ["cancel_pending", "change_address", "return_item"]
@@ -184,21 +183,3 @@ def test_max_errors_and_transfer_end_episode(tasks):
     result = env.step(call("transfer_to_human_agents", summary="user wants help"))
     assert result.done and result.termination == "transfer"
     assert env.reward()[0] == 0.0  # the status was never said
-
-
-@pytest.mark.parametrize("required,text,found", [
-    ("1234.50", "That is $1,234.50.", True),
-    ("1234.5", "The total was 1234.50 dollars", True),
-    ("536.65", "You paid $536.65 in total.", True),
-    ("100.00", "It cost 100 dollars", True),
-    ("100", "It cost 1000 dollars", False),
-    ("Delivered", "your order was DELIVERED.", True),
-    ("pending", "it is not processed", False),
-    ("delivered", "it is undelivered", False),
-])
-def test_output_matching(required, text, found):
-    assert output_found(required, [text]) is found
-
-
-def test_normalize_text():
-    assert normalize_text("Total: $1,234.50 and 3.00 and 7") == "total: $1234.5 and 3 and 7"

@@ -7,16 +7,22 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from test_evaluate import save_lora, traj
+
 from trace_lib.config import Params, ScalingConfig
+from trace_lib.evaluation.scaling import (
+    Snapshot,
+    ablation_rows,
+    ablation_table,
+    budget_points,
+    find_snapshots,
+    point_routing,
+    routed_adapters,
+    scaling_table,
+)
 from trace_lib.io import write_json, write_jsonl
 from trace_lib.records import AdapterManifest
 from trace_lib.routing.route import RouteDecision
-from trace_lib.evaluation.scaling import (
-    Snapshot, ablation_rows, ablation_table, budget_points, find_snapshots, point_routing, routed_adapters,
-    scaling_table,
-)
 
 
 def snap(cap: str, k: int, n: int) -> Snapshot:
@@ -94,8 +100,8 @@ def loras(tiny_model_dir, tmp_path_factory):
 
 def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch):
     """Evaluate on 2 tasks with two adapters that each have one snapshot, then the scaling stage."""
-    from trace_lib.evaluation.runner import run_evaluate
-    from trace_lib.evaluation.scaling import run_scaling
+    from trace_lib.stages.evaluate import run_evaluate
+    from trace_lib.stages.scaling import run_scaling
 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     for cap, src in (("precondition_verification", "a"), ("structured_data_reasoning", "b")):

@@ -5,18 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trace_lib.config import ScoreConfig, params_from_dict
 from trace_lib.analyst.llm import LLMError
-from trace_lib.records import Capability, Label, Message, Task, Trajectory, UserScenario
 from trace_lib.analyst.score import (
     consensus,
     contrast,
+    explain_selection,
     ground_truth_metrics,
     label_trajectories,
     passes,
     score_capabilities,
     score_runs,
 )
+from trace_lib.config import ScoreConfig, params_from_dict
+from trace_lib.records import Capability, Label, Message, Task, Trajectory, UserScenario
 
 CODE = {"L": 2, "P": 1, "N": 0}
 
@@ -191,6 +192,20 @@ def test_ground_truth_metrics():
     assert ground_truth_metrics(["a"], [_task([])])["recall"] is None
 
 
+def test_explain_selection_says_why_nothing_could_be_kept():
+    reasons = {"a": "kept: selected in 9/10 runs (>= 8)", "b": "not kept: coverage=0.050 < ρ=0.1"}
+    assert explain_selection(5, 7, reasons) == ["a: kept: selected in 9/10 runs (>= 8)",
+                                                "b: not kept: coverage=0.050 < ρ=0.1"]
+    no_pos = explain_selection(0, 7, {"a": "not kept: no successes (|D+| = 0)"})
+    assert len(no_pos) == 2 and "succeeded on no trajectory (|D+| = 0)" in no_pos[0]
+    assert "score.empty_rate" in no_pos[0] and no_pos[1] == "a: not kept: no successes (|D+| = 0)"
+    nothing = explain_selection(5, 0, {})
+    assert nothing == ["The base agent failed no trajectory (|D-| = 0): there is nothing to contrast.",
+                       "No candidates came out of discover, so nothing was scored "
+                       "(see reports/metrics/discover.json)."]
+    assert len(explain_selection(0, 0, {})) == 3
+
+
 class FakeAnalyst:
     """Answers label requests: LACKING for failures, PRESENT for successes; errors on 'boom'."""
 
@@ -239,7 +254,12 @@ def test_k_keep_above_n_runs_is_a_config_error():
 
 
 def test_score_figures_and_table():
-    from trace_lib.plots.score import delta_coverage, error_rate_bars, scores_table, stability
+    from trace_lib.plots.score import (
+        delta_coverage,
+        error_rate_bars,
+        scores_table,
+        stability,
+    )
 
     trajs, labels = dataset("PPPPPPPPLN", "LLLLLLPPNN", cid="strong")
     _, weak = dataset("LPPPPPPPLN", "LPPPPPPPNN", cid="weak")

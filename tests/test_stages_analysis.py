@@ -14,8 +14,8 @@ import nbformat
 import papermill
 import pytest
 import yaml
-
 from test_detectors import play_retail, retail_tasks
+
 from trace_lib.io import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

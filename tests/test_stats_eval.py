@@ -7,10 +7,17 @@ import math
 import numpy as np
 import pytest
 
-from trace_lib.stats import (
-    align, bootstrap_ci, compare, group_rows, mcnemar, paired_bootstrap, rate_row, task_outcomes,
-)
 from trace_lib.records import Message, Trajectory
+from trace_lib.stats import (
+    align,
+    bootstrap_ci,
+    compare,
+    group_rows,
+    mcnemar,
+    paired_bootstrap,
+    rate_row,
+    task_outcomes,
+)
 
 
 def traj(task: str, success: bool, sample: int = 0, family: str = "f", tool_calls: int = 2, invalid: int = 0,

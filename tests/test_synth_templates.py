@@ -14,10 +14,11 @@ import random
 import pytest
 
 from trace_lib import synth_sdk
+from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.config import EnvConfig
 from trace_lib.envs import make_env
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
-from trace_lib.envs.families import CAPABILITY_TAGS, user_split
+from trace_lib.envs.families import user_split
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
 from trace_lib.synth.template_kit import DIFFICULTY, _tau2_test_users

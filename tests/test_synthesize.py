@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 from test_llm import FakeMessagesAPI, _message
 
+from trace_lib.analyst.llm import LLMClient
+from trace_lib.analyst.render import render_task
 from trace_lib.config import params_from_dict
 from trace_lib.io import read_json, write_jsonl
-from trace_lib.analyst.llm import LLMClient
-from trace_lib.records import Capability
+from trace_lib.records import Capability, Task, ToolCall, UserScenario
+from trace_lib.stages.synthesize import run_synthesize
 from trace_lib.synth.synthesize import (
     extract_module,
     feedback_message,
     resolve_synth_backend,
-    run_synthesize,
     synthesize_env,
     valid_envs,
 )
@@ -108,3 +109,23 @@ def test_no_kept_capabilities_is_a_clear_empty_result(tmp_path):
     metrics = run_synthesize(_params(), tmp_path)
     assert metrics["valid"] == 0 and "nothing to synthesize" in metrics["note"]
     assert json.loads((tmp_path / "reports/metrics/synthesize.json").read_text())["kept"] == 0
+
+
+def test_render_task_shows_what_agent_and_customer_see():
+    task = Task(id="communicate_result-train-3", env="synthetic", split="train", family="communicate_result",
+                instruction="Help the customer.", difficulty=2,
+                user=UserScenario(reason_for_call="What is my balance?", known_info={"user_id": "u1"}),
+                gold_actions=[ToolCall(name="get_user", arguments={"user_id": "u1", "full": True}),
+                              ToolCall(name="list_orders")],
+                required_outputs=["42.00"])
+    assert render_task(task).splitlines() == [
+        "=== communicate_result-train-3 (difficulty 2)",
+        "instruction: Help the customer.",
+        "customer opens: What is my balance?",
+        "customer knows: {'user_id': 'u1'}",
+        "gold actions: get_user(user_id='u1', full=True); list_orders()",
+        "must say: ['42.00']",
+    ]
+    bare = task.model_copy(update={"gold_actions": [], "required_outputs": []})
+    assert "gold actions: (none)" in render_task(bare) and render_task(bare).endswith("must say: []")
+

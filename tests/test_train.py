@@ -7,7 +7,6 @@ token control); trainer tests run TRL's GRPOTrainer on the tiny random model for
 from __future__ import annotations
 
 import json
-
 import re
 from collections import Counter
 from pathlib import Path
@@ -15,17 +14,32 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from trace_lib.training.budget import RolloutLedger
-from trace_lib.config import TrainConfig
-from trace_lib.training.grpo import (TRUNCATION_MARK, AgentRollout, Episode, TrainSource, drop_masked_rows, loss_mask,
-                            trajectory_reward)
-from trace_lib.agent.policy import Policy
-from trace_lib.training.rewards import make_reward
-from trace_lib.training.trainer import (group_sources, load_trainable, lora_config, read_train_log, resolve_train_backend,
-                             train_adapter, train_adapter_mixture, train_dataset)
-
 from toy import KVEnv, PickEnv, kv_task, pick_tasks
+
+from trace_lib.agent.policy import Policy
+from trace_lib.config import TrainConfig
+from trace_lib.training.budget import RolloutLedger
+from trace_lib.training.grpo import (
+    TRUNCATION_MARK,
+    AgentRollout,
+    Episode,
+    TrainSource,
+    drop_masked_rows,
+    loss_mask,
+    trajectory_reward,
+)
+from trace_lib.training.rewards import make_reward
+from trace_lib.training.trainer import (
+    AgentGRPOTrainer,
+    group_sources,
+    load_trainable,
+    lora_config,
+    read_timing,
+    read_train_log,
+    resolve_train_backend,
+    train_adapter_mixture,
+    train_dataset,
+)
 
 FAST = {"groups": 2, "group_size": 2, "max_new_tokens": 12, "max_steps_per_episode": 3, "constrained": False,
         "learning_rate": 1e-2, "save_every": 1}
@@ -190,6 +204,30 @@ def test_rows_without_loss_are_dropped_from_micro_batches():
     assert drop_masked_rows(inputs) is inputs
 
 
+def test_the_trainer_skips_the_forward_pass_of_rows_without_loss(monkeypatch):
+    """AgentGRPOTrainer.compute_loss hands TRL only the rows with loss; with none left, a zero loss that
+    still reaches the trainable weights (backward() runs, every gradient is 0)."""
+    from trl import GRPOTrainer
+
+    seen = []
+    monkeypatch.setattr(GRPOTrainer, "compute_loss",
+                        lambda self, model, inputs, *a: seen.append(inputs["advantages"].tolist()) or torch.tensor(1.0))
+    trainer = object.__new__(AgentGRPOTrainer)  # compute_loss needs no trainer state
+    model = torch.nn.Linear(2, 1)
+    model.bias.requires_grad_(False)
+    inputs = {
+        "prompt_ids": torch.tensor([[4, 5], [6, 7]]), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[1, 2], [3, 4]]), "completion_mask": torch.ones(2, 2, dtype=torch.long),
+        "tool_mask": torch.tensor([[0, 0], [1, 0]]), "advantages": torch.tensor([0.5, -1.0]),
+    }
+    assert trainer.compute_loss(model, inputs) == 1.0 and seen == [[-1.0]]
+    inputs["tool_mask"] = torch.zeros(2, 2, dtype=torch.long)
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    assert loss.requires_grad and float(loss.detach()) == 0.0 and seen == [[-1.0]]  # TRL was not called
+    assert model.weight.grad is not None and model.weight.grad.abs().sum() == 0
+
+
 # --- configuration pieces -------------------------------------------------------------------------
 def test_resolve_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -252,8 +290,8 @@ def lora_weights(path: Path) -> dict[str, torch.Tensor]:
 def train(tiny_model_dir, tmp_path, ledger=None, env=ParityEnv, name="cap", out="adapter", **kw):
     cfg = TrainConfig(**{**FAST, **kw})
     ledger = ledger or RolloutLedger(tmp_path / "ledger.jsonl")
-    manifest = train_adapter(tiny_model_dir, lambda: env(max_steps=3), kv_tasks, cfg, tmp_path / out, seed=0,
-                             ledger=ledger, name=name)
+    manifest = train_adapter_mixture(tiny_model_dir, [TrainSource(name, lambda: env(max_steps=3), kv_tasks)], cfg,
+                                     tmp_path / out, seed=0, ledger=ledger, name=name)
     return manifest, ledger
 
 
@@ -272,6 +310,8 @@ def test_one_iteration_trains_and_writes_a_loadable_adapter(tiny_model_dir, tmp_
     assert len(log) == 1 and '"seconds"' not in log[0] and '"frac_reward_zero_std"' in log[0]
     row = read_train_log(out)[0]
     assert row["iteration"] == 1 and row["rollouts"] == 8 and row["trained_tokens"] > 0
+    timing = read_timing(out)
+    assert [t["iteration"] for t in timing["iterations"]] == [1] and timing["seconds_per_iteration"] > 0
     weights = lora_weights(out)
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # B starts at zero
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
@@ -366,7 +406,8 @@ def test_reward_rises_on_a_learnable_toy_environment(tiny_model_dir, tmp_path):
     cfg = TrainConfig(groups=2, group_size=4, iterations=8, learning_rate=1e-2, temperature=1.0, max_new_tokens=64,
                       max_steps_per_episode=2, save_every=100)
     ledger = RolloutLedger(tmp_path / "ledger.jsonl")
-    train_adapter(tiny_model_dir, PickEnv, pick_tasks, cfg, tmp_path / "pick", seed=0, ledger=ledger, name="pick")
+    train_adapter_mixture(tiny_model_dir, [TrainSource("pick", PickEnv, pick_tasks)], cfg, tmp_path / "pick", seed=0,
+                          ledger=ledger, name="pick")
     rows = read_train_log(tmp_path / "pick")
     reward = [r["reward"] for r in rows]
     assert len(rows) == 8 and [r["success_rate"] for r in rows] == reward  # 0/1 env reward: reward == success

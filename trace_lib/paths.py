@@ -232,6 +232,10 @@ class Paths:
     def scaling_trajectories(self) -> Path:
         return self.scaling / "trajectories"
 
+    def scaling_episodes(self, key: str) -> Path:
+        """`data/scaling/trajectories/<method>@<budget>.jsonl`: the episodes of one intermediate budget point."""
+        return self.scaling_trajectories / f"{key}.jsonl"
+
 
 STAGES: tuple[str, ...] = ("prepare_model", "rollout", "discover", "score", "synthesize", "train", "evaluate",
                            "scaling", "report")

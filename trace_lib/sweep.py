@@ -33,6 +33,7 @@ from typing import Any
 
 from trace_lib.config import ConfigError, load_params
 from trace_lib.io import atomic_write_text, read_json
+from trace_lib.paths import Paths
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]+")
 
@@ -169,7 +170,7 @@ def run_sweep(
             parameters={"params_path": str(params_path), "overrides": run.overrides, "root": str(root)},
             kernel_name=kernel_name, progress_bar=False, log_output=log_output, cwd=str(base),
         )
-        metrics_file = base / root / "reports" / "metrics" / f"{stage}.json"
+        metrics_file = Paths(base / root).metrics(stage)
         rows.append(table_row(run, read_json(metrics_file) if metrics_file.is_file() else {}, stage))
         write_table(rows, table)
         print(f"[{i}/{len(runs)}] {run.name} done in {time.perf_counter() - start:.0f} s", flush=True)

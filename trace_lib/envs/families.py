@@ -22,20 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.config import EnvConfig
 from trace_lib.records import Task, ToolCall, UserScenario
-
-CAPABILITY_TAGS: dict[str, str] = {
-    "tool_call_precision": "call the right tool with exactly the right argument values and formats",
-    "structured_data_reasoning": "read the needed field out of nested tool results (JSON records)",
-    "identity_verification": "authenticate the user by email or name + zip before account actions",
-    "precondition_verification": "check an order's status before acting; refuse what the status forbids",
-    "confirmation_before_write": "explain a change and get an explicit yes before any write",
-    "communicate_result": "tell the user the facts the tools returned",
-    "multi_step_completion": "carry a request through several dependent tool calls to the end",
-    "adversarial_policy_compliance": "keep to the policy when the user pushes to break it",
-}
-"""The fixed vocabulary of `Task.capability_tags` (names follow the paper's capabilities)."""
 
 SPLITS = ("train", "test")
 CANCEL_REASONS = ("no longer needed", "ordered by mistake")

@@ -30,11 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trace_lib.training.budget import RolloutLedger
-from trace_lib.config import EvaluateConfig, RolloutConfig
-from trace_lib.envs.base import Environment
-from trace_lib.records import Task, Trajectory
 from trace_lib.analyst.render import render_trajectory
+from trace_lib.config import EvaluateConfig, RolloutConfig
+from trace_lib.envs import load_tasks
+from trace_lib.envs.base import Environment
+from trace_lib.evaluation.runner import (
+    eval_rollout_config,
+    eval_targets,
+    evaluate_policy,
+)
+from trace_lib.io import atomic_write_text
+from trace_lib.paths import Paths
+from trace_lib.records import Task, Trajectory
+from trace_lib.training.budget import RolloutLedger
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +79,6 @@ def gepa_status(params: Any, budget_total: int | None = None) -> str | None:
 def gepa_budget(trace_total: int, cfg: EvaluateConfig) -> int:
     """Metric calls GEPA may spend: TRACE's total, or `gepa_max_rollouts` when that is smaller."""
     return min(int(trace_total), cfg.gepa_max_rollouts) if cfg.gepa_max_rollouts else int(trace_total)
-
-
-def gepa_paths(root: Path) -> dict[str, Path]:
-    out = root / "data" / "evaluate"
-    return {"prompt": out / "gepa_prompt.md", "ledger": out / "gepa_rollouts.jsonl", "llm": out / "gepa_llm.jsonl"}
 
 
 def with_prompt(factory: Callable[[], Environment], prompt: str) -> Callable[[], Environment]:
@@ -142,8 +145,6 @@ class PromptAdapter:
         return self.exhausted or self.error is not None or self.budget - self.used < 2 * self.min_batch
 
     def evaluate(self, batch: list[Example], candidate: dict[str, str], capture_traces: bool = False) -> Any:
-        from trace_lib.evaluation.runner import evaluate_policy
-
         if self.used + len(batch) > self.budget:
             self.exhausted = True
             raise BudgetSpent(f"{len(batch)} more episodes would pass GEPA's budget ({self.used}/{self.budget} used)")
@@ -276,24 +277,21 @@ def prompt_markdown(prompts: Mapping[str, str]) -> str:
 def run_gepa(policy: Any, params: Any, root: Path, trace_total: int,
              make_env: Callable[[Any], Environment]) -> GepaRun:
     """The evaluate stage's GEPA row: optimize on each target's train split, write the prompt and ledger."""
-    from trace_lib.analyst.discover import analyst_client
-    from trace_lib.envs import make_tasks
-    from trace_lib.evaluation.runner import eval_rollout_config, eval_targets
-    from trace_lib.io import atomic_write_text
+    from trace_lib.analyst.llm import analyst_client
 
     cfg: EvaluateConfig = params.evaluate
-    paths = gepa_paths(root)
-    ledger = RolloutLedger(paths["ledger"])
+    paths = Paths(root)
+    ledger = RolloutLedger(paths.gepa_rollouts)
     ledger.rewind(STAGE, "", 0)  # a rerun starts from an empty count
     train = {}
-    for ecfg, _ in eval_targets(params.env, cfg):
-        tasks = make_tasks(ecfg, "train")
+    for ecfg, _ in eval_targets(params.env, cfg, root):
+        tasks = load_tasks(ecfg, "train", root)
         train[ecfg.name] = (lambda e=ecfg: make_env(e), tasks[: cfg.gepa_tasks] if cfg.gepa_tasks else tasks)
-    client = analyst_client(params.analyst, paths["llm"], root, params.seed)
+    client = analyst_client(params.analyst, paths.gepa_llm, root, params.seed)
     if client is None:
         raise ValueError(RULES_REASON)
     out = optimize_system_prompt(policy, train, llm_reflection(client), eval_rollout_config(params.rollout, cfg),
                                  gepa_budget(trace_total, cfg), ledger, seed=cfg.seed, minibatch=cfg.gepa_minibatch)
-    atomic_write_text(paths["prompt"], prompt_markdown(out.prompts))
-    out.record["ledger"] = paths["ledger"].relative_to(root).as_posix()
+    atomic_write_text(paths.gepa_prompt, prompt_markdown(out.prompts))
+    out.record["ledger"] = paths.gepa_rollouts.relative_to(root).as_posix()
     return out

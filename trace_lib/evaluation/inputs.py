@@ -8,7 +8,7 @@ Reads (all optional — a missing piece turns the rows that need it into 'not ru
                                            target's train tasks) and `merged_data` (one adapter on
                                            the mixture of all synthetic environments)
     data/train/[_baselines/]<name>/rollouts.jsonl
-                                           the rollout ledger of each adapter (`ledger_path`); when it
+                                           the rollout ledger of each adapter (`Paths.train_ledger`); when it
                                            is missing the manifest's `rollouts_used` is used instead
     data/envs/rollouts.jsonl               band-check rollouts of the synthesize stage (TRACE's)
     data/envs/manifests.jsonl, env.py      the validated synthetic environments
@@ -31,30 +31,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trace_lib.training.budget import total_rollouts
 from trace_lib.config import EnvConfig
 from trace_lib.io import read_json, read_jsonl
+from trace_lib.paths import Paths
 from trace_lib.records import AdapterManifest, Capability, Trajectory
+from trace_lib.training.budget import total_rollouts
 
 BASELINES = ("grpo_target", "merged_data")
 """Baseline adapters the evaluate stage looks for under data/adapters/_baselines/."""
 RETRIEVAL_EXAMPLES = 8
 """Synthetic training tasks per capability whose openings the retrieval index holds."""
-
-
-def adapters_root(root: Path) -> Path:
-    return root / "data" / "adapters"
-
-
-def adapter_dir(root: Path, name: str, baseline: bool = False) -> Path:
-    base = adapters_root(root)
-    return base / "_baselines" / name if baseline else base / name
-
-
-def ledger_path(root: Path, name: str, baseline: bool = False) -> Path:
-    """The rollout ledger an adapter's training appended to (outside its folder, which is replaced whole)."""
-    base = root / "data" / "train"
-    return base / "_baselines" / name / "rollouts.jsonl" if baseline else base / name / "rollouts.jsonl"
 
 
 def _manifest(folder: Path) -> AdapterManifest | None:
@@ -67,7 +53,8 @@ def _manifest(folder: Path) -> AdapterManifest | None:
 def find_adapters(root: Path) -> tuple[dict[str, Path], dict[str, Path]]:
     """(capability adapters, baseline adapters): name -> folder, for folders with a PEFT config and a
     manifest. Hidden folders (temp, checkpoints) are skipped."""
-    base = adapters_root(root)
+    paths = Paths(root)
+    base = paths.adapters
     caps = {}
     if base.is_dir():
         for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
@@ -76,16 +63,16 @@ def find_adapters(root: Path) -> tuple[dict[str, Path], dict[str, Path]]:
     clash = sorted(set(caps) & set(BASELINES))
     if clash:
         raise ValueError(f"capability adapter(s) {clash} use a baseline's name; rename the capability")
-    baselines = {n: adapter_dir(root, n, True) for n in BASELINES if _manifest(adapter_dir(root, n, True))}
+    baselines = {n: paths.adapter(n, True) for n in BASELINES if _manifest(paths.adapter(n, True))}
     return caps, baselines
 
 
 def adapter_budget(root: Path, name: str, baseline: bool = False) -> tuple[int, str]:
     """(rollouts an adapter cost, where the number came from: the ledger path or 'manifest')."""
-    ledger = ledger_path(root, name, baseline)
+    ledger = Paths(root).train_ledger(name, baseline)
     if ledger.is_file():
         return int(total_rollouts([ledger])["total"]), ledger.relative_to(root).as_posix()
-    manifest = _manifest(adapter_dir(root, name, baseline))
+    manifest = _manifest(Paths(root).adapter(name, baseline))
     if manifest is None:
         raise FileNotFoundError(f"no ledger {ledger} and no adapter manifest for {name!r}")
     return int(manifest.rollouts_used), "manifest"
@@ -96,7 +83,7 @@ def trace_budget(root: Path, names: list[str]) -> dict[str, Any]:
 
     This is the budget a baseline (GRPO on the target, merged data, GEPA) is given."""
     by_adapter = {n: adapter_budget(root, n)[0] for n in names}
-    synth = root / "data" / "envs" / "rollouts.jsonl"
+    synth = Paths(root).synth_rollouts
     band = int(total_rollouts([synth])["total"]) if synth.is_file() else 0
     return {"total": sum(by_adapter.values()) + band, "by_adapter": by_adapter, "synthesize": band}
 
@@ -111,7 +98,7 @@ def check_base_model(folder: Path, base_id: str) -> None:
 
 def kept_capabilities(root: Path, names: list[str]) -> list[Capability]:
     """The Capability record of each adapter name (kept.jsonl), a bare one where the record is missing."""
-    path = root / "data" / "score" / "kept.jsonl"
+    path = Paths(root).kept
     known = {c.id: c for c in read_jsonl(path, Capability)} if path.is_file() else {}
     return [known.get(n) or Capability(id=n, name=n.replace("_", " "), description=n.replace("_", " "))
             for n in names]
@@ -121,7 +108,7 @@ def synthetic_manifests(root: Path) -> dict[str, Any]:
     """Capability -> validated SyntheticEnvManifest (empty when the synthesize stage wrote none)."""
     from trace_lib.synth.synthesize import valid_envs
 
-    if not (root / "data" / "envs" / "manifests.jsonl").is_file():
+    if not Paths(root).env_manifests.is_file():
         return {}
     return {m.capability_id: m for m in valid_envs(root)}
 
@@ -162,7 +149,7 @@ def retrieval_openings(box: Any, capability: str, seeds: list[int], difficulty: 
 
 def analysis_rollouts(root: Path, split: str) -> int:
     """Episodes the rollout stage spent on the target's train split (discovery; reported, not budgeted)."""
-    path = root / "data" / "rollouts" / f"{split}.jsonl"
+    path = Paths(root).rollouts(split)
     if not path.is_file():
         return 0
     with path.open(encoding="utf-8") as fh:

@@ -1,28 +1,15 @@
-"""Scaling stage: success against rollout budget, and the ablation table.
+"""Budget points and the ablation table of the scaling stage (paper: the rollout-scaling figure, ablations).
 
-Reads (written by the train and evaluate stages):
+Reads the snapshots an adapter's training kept (`<adapter>/snapshots/iter-<k>/`: PEFT folder +
+snapshot.json {iteration, rollouts}, written by `trace_lib.training.trainer.keep_snapshot`) and, for the
+ablation rows, the evaluate stage's episodes (`Paths.eval_episodes`) of this run or of another run named
+in `scaling.ablation_runs`; writes nothing (the stage is `stages/scaling.py`).
 
-    data/adapters/<cap>/snapshots/iter-<k>/     the adapter after iteration k (PEFT) + snapshot.json
-                                                {iteration, rollouts}; the final adapter is the folder itself
-    data/adapters/_baselines/grpo_target/...    the same for GRPO on the target (when trained)
-    data/evaluate/routes/trace_argmax.jsonl     the router's decision per task
-    data/evaluate/trajectories/<method>.jsonl   base, trace_argmax, ... episodes (reused, never re-decoded)
-    reports/metrics/evaluate.json               budgets and which methods ran
-
-Writes
-
-    data/scaling/points.jsonl                   one row per (method, budget): success, CI, tool calls
-    data/scaling/trajectories/<method>@<budget>.jsonl
-    reports/tables/scaling.md, reports/tables/ablations.md
-    reports/figures/scaling.png
-    reports/metrics/scaling.json
-
-Paper: the rollout-scaling figure (success vs rollouts for TRACE and GRPO on the target) and the
-ablation table. Budgets are reused, not retrained: a point at budget B uses the newest snapshot of each
-adapter whose rollouts fit in B (`train.snapshot_every`), and the router's decisions are the evaluate
-stage's — the router is the base model, so its choice does not depend on the adapters' budget. Budget 0
-is the base model and the last point is the evaluate stage's own TRACE row, so on the CPU default only
-the intermediate snapshots decode new episodes (greedy, shared through `evaluate_policy`'s memo).
+Budgets are reused, not retrained: a point at budget B uses the newest snapshot of each adapter whose
+rollouts fit in B (`train.snapshots`, one per checkpoint, `train.save_every`), and the router's decisions
+are the evaluate stage's — the router is the base model, so its choice does not depend on the adapters'
+budget (`point_routing` renames each chosen adapter to that point's snapshot). Budget 0 is the base model
+and the last point is the final adapters.
 
 Ablations need other trainings (no contrastive filter, no synthesis, efficiency reward on/off): their
 rows read another run of this pipeline named in `scaling.ablation_runs` (a `dvc exp` workspace or a
@@ -31,7 +18,6 @@ papermill sweep root) and otherwise say they were not run and how to run them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +26,11 @@ from typing import Any
 import pandas as pd
 
 from trace_lib.config import ScalingConfig
-from trace_lib.stats import rate_row
-from trace_lib.io import atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
+from trace_lib.io import read_json, read_jsonl
+from trace_lib.paths import Paths
 from trace_lib.records import Trajectory
+from trace_lib.stats import rate_row
 from trace_lib.training.trainer import SNAPSHOTS
-
 
 
 @dataclass(frozen=True)
@@ -165,7 +151,8 @@ HOW_TO = {
 
 
 def trajectories_of(root: Path, key: str) -> list[Trajectory] | None:
-    path = Path(root) / "data" / "evaluate" / "trajectories" / f"{key}.jsonl"
+    """A run's evaluation episodes of one method (or None when that method did not run there)."""
+    path = Paths(root).eval_episodes(key)
     return read_jsonl(path, Trajectory) if path.is_file() else None
 
 
@@ -202,135 +189,3 @@ def ablation_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
         "ablation": r["ablation"], "variant": r["variant"], "success % [95% CI] (n)": pct(r),
         "tool calls / success": "" if r.get("tool_calls_per_success") is None else f"{r['tool_calls_per_success']:.2f}",
         "source": r["source"]} for r in rows])
-
-
-# --- the stage ---------------------------------------------------------------------------------------
-def scaling_paths(root: Path = Path(".")) -> dict[str, Path]:
-    return {
-        "points": root / "data" / "scaling" / "points.jsonl",
-        "trajectories": root / "data" / "scaling" / "trajectories",
-        "table": root / "reports" / "tables" / "scaling.md",
-        "ablations": root / "reports" / "tables" / "ablations.md",
-        "figure": root / "reports" / "figures" / "scaling.png",
-        "metrics": root / "reports" / "metrics" / "scaling.json",
-    }
-
-
-def run_scaling(params: Any, root: Path = Path("."), progress: bool = True) -> dict[str, Any]:
-    """The whole stage (see the module docstring); returns the metrics written to scaling.json."""
-    from trace_lib.evaluation import inputs
-    from trace_lib.evaluation.tables import markdown
-    from trace_lib.plots import save_figure
-    from trace_lib.plots.evaluate import scaling_curve
-    from trace_lib.routing.route import RouteDecision
-
-    t0 = time.perf_counter()
-    cfg: ScalingConfig = params.scaling
-    ecfg = params.evaluate
-    paths = scaling_paths(root)
-    metrics_path = root / "reports" / "metrics" / "evaluate.json"
-    if not metrics_path.is_file():
-        raise FileNotFoundError(f"{metrics_path} not found: run the evaluate stage first")
-    evaluated = read_json(metrics_path)
-    caps, baselines = inputs.find_adapters(root)
-    names = sorted(caps)
-    budget = inputs.trace_budget(root, names)
-    snaps = {n: find_snapshots(caps[n]) for n in names}
-    points = budget_points(snaps, budget["by_adapter"], budget["synthesize"], cfg.budgets)
-    base = trajectories_of(root, "base")
-    final = trajectories_of(root, "trace_argmax")
-    routes = root / "data" / "evaluate" / "routes" / "trace_argmax.jsonl"
-    decisions = read_jsonl(routes, RouteDecision) if routes.is_file() else None
-    rows: list[dict[str, Any]] = []
-    written: dict[str, list[Trajectory]] = {}
-    todo = [p for p in points if p["iteration"] not in (0, None)]
-    if base is None:
-        reason = evaluated["methods"].get("base", {}).get("reason") or "the base model was not evaluated"
-        rows += [point_row("TRACE", p["total"], p["iteration"], None, reason) for p in points]
-    elif decisions is None or final is None:
-        reason = "TRACE (argmax) was not evaluated: " + evaluated["methods"].get("trace_argmax", {}).get("reason", "")
-        rows.append(point_row("TRACE", 0, 0, base, "", ecfg.n_boot, ecfg.ci_level, ecfg.seed))
-        rows += [point_row("TRACE", p["total"], p["iteration"], None, reason) for p in points[1:]]
-    else:
-        by_point = {0: base, None: final}
-        if todo:
-            by_point.update(_decode_points(params, root, todo, routed_adapters(decisions), base, progress))
-        for p in points:
-            trajs = by_point[p["iteration"]]
-            rows.append(point_row("TRACE", p["total"], p["iteration"], trajs, "", ecfg.n_boot, ecfg.ci_level,
-                                  ecfg.seed))
-            if p["iteration"] not in (0, None):
-                written[f"trace@{p['total']}"] = trajs
-    grpo = evaluated["methods"].get("grpo_target", {})
-    grpo_final = trajectories_of(root, "grpo_target")
-    if "grpo_target" in baselines and grpo_final is not None and base is not None:
-        # GRPO on the target: one adapter on every task, at each of its snapshots too
-        n, _ = inputs.adapter_budget(root, "grpo_target", baseline=True)
-        g_points = budget_points({"grpo_target": find_snapshots(baselines["grpo_target"])}, {"grpo_target": n},
-                                 0, cfg.budgets)
-        g_todo = [p for p in g_points if p["iteration"] not in (0, None)]
-        everyone = {t.task_id: ["grpo_target"] for t in base}
-        by_point = {0: base, None: grpo_final}
-        if g_todo:
-            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress))
-        for p in g_points:
-            rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["iteration"]], "",
-                                  ecfg.n_boot, ecfg.ci_level, ecfg.seed))
-            if p["iteration"] not in (0, None):
-                written[f"grpo_target@{p['total']}"] = by_point[p["iteration"]]
-    else:
-        rows.append(point_row("GRPO on target", budget["total"], None, None,
-                              grpo.get("reason") or "not evaluated"))
-    gepa = evaluated["methods"].get("gepa", {})
-    gepa_trajs = trajectories_of(root, "gepa")
-    if gepa.get("status") == "run" and gepa_trajs is not None:  # its final prompt, at the rollouts it spent
-        rows.append(point_row("GEPA", int(gepa.get("rollouts") or 0), None, gepa_trajs, "", ecfg.n_boot,
-                              ecfg.ci_level, ecfg.seed))
-    else:
-        rows.append(point_row("GEPA", budget["total"], None, None, gepa.get("reason") or "not evaluated"))
-
-    ablations = ablation_rows(root, cfg, evaluated, params.train.reward.efficiency, ecfg.n_boot, ecfg.seed)
-    for key, trajs in sorted(written.items()):
-        write_jsonl(paths["trajectories"] / f"{key}.jsonl", trajs)
-    write_jsonl(paths["points"], rows)
-    atomic_write_text(paths["table"], markdown(scaling_table(rows)))
-    atomic_write_text(paths["ablations"], markdown(ablation_table(ablations)))
-    save_figure(scaling_curve(rows, f"{evaluated.get('split', '')} split of {', '.join(evaluated.get('envs', []))}"),
-                paths["figure"])
-    metrics = {"points": rows, "ablations": ablations, "trace_budget": budget,
-               "decoded_points": len(todo) if base is not None and decisions is not None else 0,
-               "seconds": round(time.perf_counter() - t0, 1)}
-    write_json(paths["metrics"], metrics)
-    return metrics
-
-
-def _decode_points(params: Any, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
-                   base: Sequence[Trajectory], progress: bool) -> dict[int, list[Trajectory]]:
-    """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots
-    (base episodes reused for tasks sent to no adapter)."""
-    from trace_lib.evaluation.runner import _make_env, eval_rollout_config, eval_targets, evaluate_policy
-    from trace_lib.agent.policy import load_policy
-
-    ecfg = params.evaluate
-    adapters = {snapshot_name(p, c): str(s.path) for p in todo for c, s in p["adapters"].items()}
-    policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype, threads=params.rollout.threads,
-                         adapters=adapters)
-    rcfg = eval_rollout_config(params.rollout, ecfg)
-    targets = eval_targets(params.env, ecfg)
-    memo: dict | None = None
-    if rcfg.temperature == 0:  # tasks the router sends to 'none' run as the base model did
-        memo = {}
-        for env_cfg, tasks in targets:
-            ids = {t.id for t in tasks}
-            for t in base:
-                if t.task_id in ids:
-                    memo.setdefault((env_cfg.name, (), t.task_id), []).append(t)
-    out = {}
-    for p in todo:
-        routing = point_routing(choices, p)
-        trajs: list[Trajectory] = []
-        for env_cfg, tasks in targets:
-            trajs += evaluate_policy(policy, tasks, lambda e=env_cfg: _make_env(e), rcfg, ecfg.seed,
-                                     {t.id: routing.get(t.id, {}) for t in tasks}, progress, memo, env_cfg.name)
-        out[p["iteration"]] = trajs
-    return out

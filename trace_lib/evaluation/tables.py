@@ -1,10 +1,9 @@
-"""Tables and the written outputs of the evaluate stage (paper Table 1, routing vs merging, interference).
+"""Tables of the evaluate stage (paper Table 1, routing vs merging, interference, per-capability success).
 
-Reads nothing: `write_reports` gets the methods' trajectories from `trace_lib.evaluation.runner.run_evaluate`
-and writes the trajectory/route JSONL files, results.jsonl, the markdown/CSV tables, the figures and
-reports/metrics/evaluate.json. The table builders are pure functions from `MethodRun`s (a method's
-trajectories, or why it did not run, and the rollouts it cost) to DataFrames, so tests can build
-them from constructed records.
+Reads and writes nothing: the evaluate stage (`stages/evaluate.py`) hands the methods' trajectories
+to these builders and writes what they return. They are pure functions from `MethodRun`s (a method's
+trajectories, or why it did not run, and the rollouts it cost) to DataFrames, so tests can build them
+from constructed records; `eval_results` turns the runs into the stage's EvalResult records.
 
 Cells read `rate [lo, hi]` in percent (success rate, 95% bootstrap interval over tasks); a method
 that did not run keeps its row and says why, so the table shape never depends on what was available.
@@ -14,14 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from trace_lib.stats import compare, group_rows, rate_row
-from trace_lib.io import atomic_write_text, write_json, write_jsonl
 from trace_lib.records import EvalResult, Task, Trajectory
+from trace_lib.stats import compare, group_rows, rate_row
 
 TABLE1_ORDER = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single_best", "single", "trace_argmax",
                 "trace_top_p")
@@ -240,6 +237,13 @@ def vs_base_frame(metrics: dict[str, Any]) -> pd.DataFrame:
                                        "only base", "McNemar p", "rollouts"])
 
 
+
+def not_run_table(metrics: dict[str, Any]) -> pd.DataFrame:
+    """From evaluate.json: each method that did not run and why, in table order."""
+    return pd.DataFrame([{"method": m["label"], "reason": m["reason"]} for m in metrics.get("methods", {}).values()
+                         if m["status"] != "run"], columns=["method", "reason"])
+
+
 def markdown(df: pd.DataFrame) -> str:
     """A GitHub markdown table (no tabulate dependency); '|' in cells escaped."""
     if df.empty and not len(df.columns):
@@ -253,7 +257,7 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n".join([head, rule, *body]) + "\n"
 
 
-# --- writing -----------------------------------------------------------------------------------------
+# --- records -----------------------------------------------------------------------------------------
 def eval_results(runs: Sequence[MethodRun], env: str, split: str) -> list[EvalResult]:
     """One EvalResult per method that ran (per-family numbers in `by_group`)."""
     out = []
@@ -268,65 +272,3 @@ def eval_results(runs: Sequence[MethodRun], env: str, split: str) -> list[EvalRe
                               rollouts_budget=r.budget or 0, mean_tool_calls=o["mean_tool_calls"],
                               invalid_action_rate=o["invalid_action_rate"], by_group=groups))
     return out
-
-
-def _clear(folder: Path) -> None:
-    if folder.is_dir():
-        for old in folder.glob("*.jsonl"):
-            old.unlink()
-
-
-def write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[Task]]], decisions: dict[str, list],
-                  quality: dict[str, Any], interference: list[dict[str, Any]], budget: dict[str, Any], cfg: Any,
-                  paths: dict[str, Path], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write every output of the evaluate stage; returns the metrics (also in evaluate.json)."""
-    from trace_lib.plots import save_figure
-    from trace_lib.plots.evaluate import interference_heatmap, routing_confusion, success_by_method
-
-    summarize_runs(runs, cfg.n_boot, cfg.ci_level, cfg.seed)
-    tasks = [t for _, ts in targets for t in ts]
-    env_names = [e.name for e, _ in targets]
-    groups = groups_of(tasks)
-    trace_total = int(budget["total"])
-    _clear(paths["trajectories"])
-    _clear(paths["routes"])
-    for r in runs:
-        if r.ran:
-            write_jsonl(paths["trajectories"] / f"{r.key}.jsonl", r.trajectories)
-    for key, ds in decisions.items():
-        write_jsonl(paths["routes"] / f"{key}.jsonl", ds)
-    write_jsonl(paths["results"], eval_results(runs, ",".join(env_names), cfg.split))
-
-    t1 = table1(runs, groups, trace_total)
-    tables = paths["tables"]
-    caption = (f"Success rate (%) on {', '.join(env_names)} ({cfg.split} split, {len(tasks)} tasks, "
-               f"{cfg.samples_per_task} episode(s) per task, temperature {cfg.temperature:g}) with "
-               f"{cfg.ci_level:.0%} bootstrap intervals over tasks; rollouts = training episodes behind the "
-               f"method (TRACE: {trace_total}).\n\n")
-    atomic_write_text(tables / "table1.md", "# Table 1\n\n" + caption + markdown(t1))
-    atomic_write_text(tables / "table1.csv", table1_long(runs, groups).to_csv(index=False))
-    atomic_write_text(tables / "routing.md", "# Routing vs merging\n\n" + markdown(routing_table(runs, trace_total))
-                      + "\n## Router vs oracle and random routing\n\n" + markdown(router_quality_table(quality))
-                      + (f"\n{quality['note']}\n" if quality.get("note") else ""))
-    adapters = extra.get("adapters", []) if extra else []
-    atomic_write_text(tables / "interference.md", "# Adapter interference\n\nSuccess of each adapter (rows) on "
-                      "each capability's synthetic environment (columns), held-out seeds.\n\n"
-                      + (markdown(interference_table(interference)) if interference else "not run\n"))
-    atomic_write_text(tables / "capabilities.md", "# Per-capability success before / after\n\n"
-                      + markdown(capability_table(tasks, runs, interference, adapters)))
-
-    figs = paths["figures"]
-    save_figure(success_by_method(ordered_rows(runs)), figs / "evaluate_success.png")
-    save_figure(interference_heatmap(interference_frame(interference)), figs / "evaluate_interference.png")
-    save_figure(routing_confusion(quality), figs / "evaluate_routing_confusion.png")
-
-    metrics: dict[str, Any] = {
-        "split": cfg.split, "envs": env_names, "tasks": len(tasks), "trace_budget": budget,
-        "methods": {r.key: {"label": r.label, "status": "run" if r.ran else "not run", "reason": r.reason,
-                            "rollouts": r.budget, "budget_source": r.budget_source,
-                            **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base")} if r.ran else {})}
-                    for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route"))},
-        "routing": quality, "interference": interference, **(extra or {}),
-    }
-    write_json(paths["metrics"], metrics)
-    return metrics

@@ -1,8 +1,9 @@
-"""Figures of the evaluate stage: pure functions from method runs / matrices to matplotlib Figures.
+"""Figures of the evaluate and scaling stages: pure functions from method runs / matrices to matplotlib Figures.
 
-Reads nothing and writes nothing (`trace_lib.evaluation.tables.write_reports` saves them with
-`trace_lib.plots.theme.save_figure`). Mirrors the paper's Table 1 as bars with intervals, the adapter
-interference analysis as a heatmap, and the router's choices against the oracle's.
+Reads nothing and writes nothing (the stages `stages/evaluate.py` and `stages/scaling.py`
+save them with `trace_lib.plots.theme.save_figure`). Mirrors the paper's Table 1 as bars with intervals,
+the adapter interference analysis as a heatmap, the router's choices against the oracle's, and success
+against rollout budget (the scaling figure).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Training curves for the train stage (paper §3.3): figures and DVC plot data from train logs.
+"""Training curves for the train stage (paper §3.3): figures, tables and DVC plot data from train logs.
 
-Reads the rows of `data/adapters/<name>/train_log.jsonl` (one per GRPO iteration, written by
-`trace_lib.training.trainer`). The figure functions are pure (the notebook saves them with
-`plots.save_figure`); `write_train_csvs` writes `reports/train/<name>.csv`, the same rows under
+Reads the rows of `data/adapters/<name>/train_log.jsonl` (one per GRPO iteration, written by the
+trainer in training/trainer.py). The figure and table functions are pure (the notebook saves the figures
+with `plots.save_figure`); `write_train_csvs` writes `reports/train/<name>.csv`, the same rows under
 TRL's metric names, which dvc.yaml declares as plots (x: iteration, y: reward).
 """
 
@@ -59,6 +59,23 @@ def logs_frame(logs: Mapping[str, Sequence[dict[str, Any]]]) -> pd.DataFrame:
     """One row per (adapter, iteration) with every logged metric; adapters in name order."""
     rows = [{"adapter": name, **row} for name in sorted(logs) for row in logs[name]]
     return pd.DataFrame(rows)
+
+
+ADAPTER_COLUMNS = ("adapter", "backend", "rollouts", "iterations", "final_reward", "seconds_per_iteration")
+
+
+def adapter_table(manifests: Sequence[Any], timing: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
+    """One row per adapter (AdapterManifest): rollouts spent, iterations, last iteration's mean reward and
+    seconds per iteration (`timing`: adapter -> its timing.json)."""
+    return pd.DataFrame([{"adapter": m.capability_id, "backend": m.backend, "rollouts": m.rollouts_used,
+                          "iterations": m.iterations, "final_reward": m.final_reward,
+                          "seconds_per_iteration": timing[m.capability_id].get("seconds_per_iteration")}
+                         for m in manifests], columns=list(ADAPTER_COLUMNS))
+
+
+def last_iterations(logs: Mapping[str, Sequence[dict[str, Any]]]) -> pd.DataFrame:
+    """The last train-log row of each adapter that logged one, every metric a column."""
+    return pd.DataFrame([{"adapter": name, **rows[-1]} for name, rows in logs.items() if rows])
 
 
 def training_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str = "") -> plt.Figure:

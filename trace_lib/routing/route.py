@@ -20,7 +20,7 @@ share is the weight of "no change": the adapters' weights then sum to 1 − base
 model is base + Σ w_c Δ_c, a convex combination of base and specialists in weight space.
 
 Retrieval (optional). `RetrievalIndex` embeds solved training trajectories' openings (MiniLM,
-`discover.embed_texts`); the capabilities of the k nearest (distinct, best similarity first) are the
+`trace_lib.analyst.embed.embed_texts`); the capabilities of the k nearest (distinct, best similarity first) are the
 task's candidates, so the prompt stays short when there are many adapters.
 
 Baselines for routing quality: `oracle_route` (the built-in task families' capability tags) and
@@ -30,8 +30,8 @@ Baselines for routing quality: `oracle_route` (the built-in task families' capab
 from __future__ import annotations
 
 import hashlib
-from contextlib import nullcontext
 from collections.abc import Callable, Collection, Iterable, Sequence
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import numpy as np
@@ -39,30 +39,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from trace_lib.agent.chat import render_prompt
-from trace_lib.routing.compose import is_merged
-from trace_lib.analyst.discover import embed_texts, load_prompt
-from trace_lib.records import Capability, Message, Task, Trajectory
+from trace_lib.analyst.embed import embed_texts
+from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_message
+from trace_lib.capabilities import ORACLE_PRIORITY
+from trace_lib.records import Capability, Message, Task, Trajectory
+from trace_lib.routing.compose import is_merged
 
 ANSWER_PREFIX = "Answer:"
 """Pre-filled at the start of the assistant turn; the next token is the label."""
 NONE_NAME = "none"
 RouteMode = Literal["argmax", "top_p"]
-
-ORACLE_PRIORITY: tuple[str, ...] = (
-    "adversarial_policy_compliance",
-    "precondition_verification",
-    "confirmation_before_write",
-    "identity_verification",
-    "structured_data_reasoning",
-    "multi_step_completion",
-    "tool_call_precision",
-    "communicate_result",
-)
-"""Oracle tie-break among a task's tags: the most specific skill first (a tag that few families carry
-says more about the task than `tool_call_precision`, which nearly all carry). Unlisted ids come after,
-alphabetically."""
-
 
 # --- records ------------------------------------------------------------------------------------
 class RouteCandidate(BaseModel):
@@ -383,7 +370,8 @@ def route_task(policy: Any, task_opening: str, candidates: Sequence[RouteCandida
 
 # --- baselines --------------------------------------------------------------------------------------
 def oracle_route(task: Task, capability_ids: Collection[str]) -> str | None:
-    """The task's known capability tags that have an adapter, the most specific first (ORACLE_PRIORITY)."""
+    """The task's known capability tags that have an adapter, the most specific first
+    (`trace_lib.capabilities.ORACLE_PRIORITY`; unlisted ids after, alphabetically)."""
     have = set(task.capability_tags) & set(capability_ids)
     rank = {c: i for i, c in enumerate(ORACLE_PRIORITY)}
     return min(have, key=lambda c: (rank.get(c, len(rank)), c)) if have else None

@@ -1,4 +1,4 @@
-"""Report stage: one browsable page over everything the pipeline wrote.
+"""Stage `report`: one browsable page over everything the pipeline wrote.
 
 Reads   reports/notebooks/*.ipynb (each stage's executed notebook), reports/tables/*.md,
         reports/metrics/*.json, reports/figures/*.png, params.yaml and dvc.lock (plus the git commit,
@@ -28,8 +28,9 @@ import nbformat
 import yaml
 from nbconvert import HTMLExporter
 
-from trace_lib.config import load_params
+from trace_lib.config import Params
 from trace_lib.io import atomic_write_text, write_json
+from trace_lib.paths import Paths
 
 SELF = "08_report"  # the notebook running this stage: still executing, so it cannot be exported
 TABLE_ORDER = ("table1", "routing", "interference", "capabilities", "scaling", "ablations")
@@ -50,14 +51,6 @@ th{background:#f3f3f3}tbody tr:nth-child(even){background:#fafafa}
 pre{background:#f6f8fa;padding:.8em;overflow-x:auto;font-size:13px}
 figure{display:inline-block;margin:0 1em 1em 0;vertical-align:top}
 figure img{max-width:100%;border:1px solid #eee}figcaption,.src{color:#666;font-size:13px}"""
-
-
-def report_paths(root: Path = Path(".")) -> dict[str, Path]:
-    reports = root / "reports"
-    return {"reports": reports, "notebooks": reports / "notebooks", "html": reports / "html",
-            "tables": reports / "tables", "metrics": reports / "metrics", "figures": reports / "figures",
-            "index": reports / "index.html", "report_metrics": reports / "metrics" / "report.json",
-            "lock": root / "dvc.lock"}
 
 
 def notebook_title(nb: nbformat.NotebookNode) -> str:
@@ -192,27 +185,27 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
     return "\n".join(parts) + "\n"
 
 
-def run_report(root: Path = Path("."), params_path: str | Path | None = None,
+def run_report(params: Params, root: Path = Path("."), *, params_path: str | Path | None = None,
                overrides: dict[str, Any] | None = None, self_name: str = SELF) -> dict[str, Any]:
-    """Export the executed notebooks, write reports/index.html and reports/metrics/report.json."""
-    paths = report_paths(root)
-    params_path = Path(params_path) if params_path is not None else root / "params.yaml"
-    params_text, resolved, profile = "", None, "unknown"
-    if params_path.is_file():
-        params_text = params_path.read_text(encoding="utf-8")
-        params = load_params(params_path, overrides)
-        resolved, profile = params.model_dump(mode="json"), params.profile
-    notebooks = export_notebooks(paths["notebooks"], paths["html"], exclude=(self_name,))
-    tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted(paths["tables"].glob("*.md"))}
+    """Export the executed notebooks, write reports/index.html and reports/metrics/report.json.
+
+    `params` is the resolved configuration the page shows; `params_path` (default `root/params.yaml`)
+    is quoted verbatim, comments included, with the sweep's `overrides` under it."""
+    paths = Paths(root)
+    params_path = Path(params_path) if params_path is not None else Path(root) / "params.yaml"
+    params_text = params_path.read_text(encoding="utf-8") if params_path.is_file() else ""
+    notebooks = export_notebooks(paths.notebooks, paths.html, exclude=(self_name,))
+    tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted(paths.tables.glob("*.md"))}
     # report.json is this stage's own output: quoting last run's counts would make the page drift.
+    own = paths.metrics("report")
     metrics = {p.stem: json.loads(p.read_text(encoding="utf-8"))
-               for p in sorted(paths["metrics"].glob("*.json")) if p != paths["report_metrics"]}
-    figures = [p.stem for p in sorted(paths["figures"].glob("*.png"))]
-    page = render_index(params_text=params_text, resolved=resolved, profile=profile, overrides=overrides or {},
-                        digest=lock_digest(paths["lock"]), commit=git_commit(root), notebooks=notebooks,
-                        tables=tables, metrics=metrics, figures=figures, self_name=self_name)
-    atomic_write_text(paths["index"], page)
+               for p in sorted(paths.metrics_dir.glob("*.json")) if p != own}
+    figures = [p.stem for p in sorted(paths.figures.glob("*.png"))]
+    page = render_index(params_text=params_text, resolved=params.model_dump(mode="json"), profile=params.profile,
+                        overrides=overrides or {}, digest=lock_digest(paths.lock), commit=git_commit(root),
+                        notebooks=notebooks, tables=tables, metrics=metrics, figures=figures, self_name=self_name)
+    atomic_write_text(paths.index, page)
     summary = {"notebooks": len(notebooks), "exported": [n for n, _ in notebooks], "tables": len(tables),
                "metrics_files": len(metrics), "figures": len(figures)}
-    write_json(paths["report_metrics"], summary)
+    write_json(own, summary)
     return summary

@@ -1,10 +1,11 @@
-"""Synthesize stage: one validated training environment per kept capability (paper §3.2).
+"""Synthesis: one validated training environment per kept capability (paper §3.2).
 
-Reads `data/score/kept.jsonl` (the kept capabilities), `data/rollouts/<split>.jsonl` (evidence shown
-to an LLM synthesizer), params sections `env` (the target) and `synthesize`; writes, per capability,
-`data/envs/<capability>/attempts/NN.py` + `NN.json` (every attempt and its validation verdict),
-`data/envs/<capability>/env.py` and `manifest.json` only when an attempt passed validation, the
-list `data/envs/manifests.jsonl` (valid or not, with the reason), and `reports/metrics/synthesize.json`.
+`synthesize_env` writes, for one capability, `data/envs/<capability>/attempts/NN.py` + `NN.json` (every
+attempt and its validation verdict) and `data/envs/<capability>/env.py` and `manifest.json` only when an
+attempt passed validation, and returns the SyntheticEnvManifest (valid or not, with the reason). The
+synthesize stage (`stages/synthesize.py`) runs it over `data/score/kept.jsonl` and writes the
+list `data/envs/manifests.jsonl`; `valid_envs` reads that list back for training and evaluation, and
+`validation_table` / `sample_tasks` show it in the notebook.
 
 Two synthesizers behind one loop:
 
@@ -28,26 +29,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.config import EnvConfig, Params, SynthesizeConfig
-from trace_lib.analyst.discover import analyst_client, load_prompt, tools_block
-from trace_lib.io import atomic_write_text, read_jsonl, write_json, write_jsonl
 from trace_lib.analyst.llm import LLMClient, LLMError, resolve_backend
+from trace_lib.analyst.prompting import load_prompt
+from trace_lib.analyst.render import render_trajectory, tools_block
+from trace_lib.config import EnvConfig, Params, SynthesizeConfig
+from trace_lib.envs import load_tasks, make_env
+from trace_lib.envs.synthetic import synthetic_tasks
+from trace_lib.io import atomic_write_text, read_jsonl, write_json
+from trace_lib.paths import Paths
 from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
-from trace_lib.analyst.render import render_trajectory
+from trace_lib.synth.sandbox import ALLOWED_IMPORTS, SandboxProcess, limits_from_config
+from trace_lib.synth.templates import render_template_module, template_capabilities
+from trace_lib.synth.validate import validate_env
 
 TEMPLATE_TARGETS = ("retail", "tau2-retail")
-
-
-def synthesize_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
-    return {
-        "kept": root / "data" / "score" / "kept.jsonl",
-        "trajectories": root / "data" / "rollouts" / f"{params.rollout.split}.jsonl",
-        "envs": root / "data" / "envs",
-        "manifests": root / "data" / "envs" / "manifests.jsonl",
-        "ledger": root / "data" / "envs" / "llm_ledger.jsonl",
-        "rollouts": root / "data" / "envs" / "rollouts.jsonl",
-        "metrics": root / "reports" / "metrics" / "synthesize.json",
-    }
 
 
 def target_spec(env: EnvConfig) -> dict[str, str]:
@@ -72,8 +67,6 @@ def extract_module(reply: str) -> str:
 def llm_prompt(cap: Capability, target: dict[str, str], tool_kinds: dict[str, str], policy: str,
                examples: Sequence[Trajectory], chars: int = 400) -> tuple[str, str]:
     """(system, first user message) for the LLM synthesizer."""
-    from trace_lib.synth.sandbox import ALLOWED_IMPORTS
-
     system = load_prompt("synthesize_system.md", capability_id=cap.id, target=repr(target),
                          allowed_imports=", ".join(sorted(m for m in ALLOWED_IMPORTS if "." not in m)))
     shown = "\n\n".join(render_trajectory(t, limit=chars) for t in examples) or "(none available)"
@@ -98,17 +91,13 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
                    client: LLMClient | None = None, evidence: Sequence[Trajectory] = (),
                    policy=None, ledger=None) -> SyntheticEnvManifest:
     """Write, validate and (if valid) install one capability's environment under data/envs/<id>/."""
-    from trace_lib.synth.validate import validate_env
-
-    out_dir = synthesize_paths(params, root)["envs"] / cap.id
+    out_dir = Paths(root).env_dir(cap.id)
     cfg = params.synthesize
     target = target_spec(params.env)
     attempts_dir = out_dir / "attempts"
     messages: list[dict[str, str]] = []
     system = ""
     if backend == "template":
-        from trace_lib.synth.templates import render_template_module, template_capabilities
-
         if params.env.name not in TEMPLATE_TARGETS:
             return _not_synthesized(cap, backend, target, out_dir,
                                     f"the template synthesizer supports targets {list(TEMPLATE_TARGETS)}, "
@@ -121,11 +110,9 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
     else:
         if client is None:
             raise ValueError(f"synthesize backend {backend!r} needs an LLM client")
-        from trace_lib.envs import make_env
-
         env = make_env(params.env)
         example_tasks = [t for t in evidence if t.id in set(cap.evidence)][: cfg.example_trajectories]
-        system, first = llm_prompt(cap, target, env.tool_kinds(), env.system_prompt(_any_task(params)),
+        system, first = llm_prompt(cap, target, env.tool_kinds(), env.system_prompt(load_tasks(params.env, params.rollout.split, root)[0]),
                                    example_tasks)
         messages = [{"role": "user", "content": first}]
         max_attempts = cfg.max_attempts
@@ -162,12 +149,6 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
     return _not_synthesized(cap, backend, target, out_dir, reason, report, attempts=max_attempts)
 
 
-def _any_task(params: Params):
-    from trace_lib.envs import make_tasks
-
-    return make_tasks(params.env, params.rollout.split)[0]
-
-
 def _not_synthesized(cap: Capability, backend: str, target: dict[str, str], out_dir: Path, reason: str,
                      report: dict[str, Any] | None = None, attempts: int = 0) -> SyntheticEnvManifest:
     (out_dir / "env.py").unlink(missing_ok=True)  # a stale module from an earlier run must not survive
@@ -176,40 +157,10 @@ def _not_synthesized(cap: Capability, backend: str, target: dict[str, str], out_
                                 validation=report or {}, valid=False, reason=reason, attempts=attempts)
 
 
-def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
-    """The whole stage: every kept capability gets a validated environment or a recorded reason."""
-    paths = synthesize_paths(params, root)
-    kept = read_jsonl(paths["kept"], Capability)
-    backend = resolve_synth_backend(params.synthesize, params.analyst.backend)
-    client = None if backend == "template" else analyst_client(
-        params.analyst.model_copy(update={"backend": backend}), paths["ledger"], root, params.seed)
-    evidence = read_jsonl(paths["trajectories"], Trajectory) if backend != "template" else []
-    policy = ledger = None
-    if params.synthesize.validation.band:
-        from trace_lib.training.budget import RolloutLedger
-        from trace_lib.agent.policy import load_policy
-
-        policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype)
-        ledger = RolloutLedger(paths["rollouts"])
-    manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence,
-                                policy=policy, ledger=ledger) for cap in kept]
-    write_jsonl(paths["manifests"], manifests)
-    metrics = {
-        "backend": backend,
-        "kept": len(kept),
-        "valid": sum(m.valid for m in manifests),
-        "envs": {m.capability_id: {"valid": m.valid, "attempts": m.attempts,
-                                   "failed": m.validation.get("failed"), "reason": m.reason} for m in manifests},
-        "note": "no kept capabilities: nothing to synthesize" if not kept else "",
-    }
-    write_json(paths["metrics"], metrics)
-    return metrics
-
-
 def valid_envs(root: Path = Path(".")) -> list[SyntheticEnvManifest]:
     """Manifests of installed environments whose env.py still hashes as validated (else an error)."""
     out = []
-    for m in read_jsonl(root / "data" / "envs" / "manifests.jsonl", SyntheticEnvManifest):
+    for m in read_jsonl(Paths(root).env_manifests, SyntheticEnvManifest):
         if not m.valid:
             continue
         source = (root / m.path).read_text(encoding="utf-8")
@@ -236,9 +187,6 @@ def validation_table(manifests: Sequence[SyntheticEnvManifest]):
 
 def sample_tasks(manifest: SyntheticEnvManifest, params: Params, root: Path = Path("."), n: int = 3):
     """The first `n` training tasks of an installed environment (generated in the sandbox)."""
-    from trace_lib.envs.synthetic import synthetic_tasks
-    from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
-
     with SandboxProcess(root / manifest.path, limits_from_config(params.synthesize.validation)) as box:
         seeds = [params.train.seed_offset + i for i in range(n)]
         return synthetic_tasks(box, manifest.capability_id, seeds, params.synthesize.difficulty, "train")

@@ -25,7 +25,11 @@ from typing import Any
 from trace_lib.envs.families import user_split
 from trace_lib.envs.user import is_confirmation_request, split_sentences
 from trace_lib.synth.world import (
-    TargetWorld, gold_world, said, same_db, target_db,
+    TargetWorld,
+    gold_world,
+    said,
+    same_db,
+    target_db,
 )
 
 DIFFICULTY = {"default": 1, "min": 0, "max": 3}

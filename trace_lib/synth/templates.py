@@ -5,7 +5,7 @@ writes nothing. `render_template_module` returns the source text of a synthesize
 (`data/envs/<capability>/env.py`); the synthesize stage writes it. This is the synthesizer that
 pairs with the rules analyst: where the paper has an LLM write a focused environment for a kept
 capability, we bind a hand-written generator for each of the eight ids in
-`families.CAPABILITY_TAGS`. Every template runs on the target's own tools over a private copy of
+`trace_lib.capabilities`. Every template runs on the target's own tools over a private copy of
 its database (`synth_sdk.TargetWorld`), so an adapter trained on it meets no interface shift.
 
 Why the runtime code lives here and not in the rendered text: the sandbox lets a synthesized module
@@ -34,7 +34,7 @@ import textwrap
 from functools import lru_cache
 from typing import Any
 
-from trace_lib.envs.families import CAPABILITY_TAGS
+from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.synth import templates_read, templates_write
 from trace_lib.synth.template_kit import DIFFICULTY, Checks, Episode, Template, pool
 from trace_lib.synth.world import TargetWorld, target_tool_kinds, target_tool_schemas

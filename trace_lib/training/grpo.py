@@ -1,10 +1,10 @@
 """Multi-turn agent rollouts as GRPO samples: the glue between our episodes and TRL's GRPOTrainer.
 
-Reads nothing on disk; used by trace_lib.training.trainer (paper §3.3). TRL 1.16's `rollout_func(prompts,
-trainer)` receives the generation batch's prompts — each dataset row repeated K = num_generations
-times in a row — and must return `prompt_ids`, `completion_ids` and `logprobs` per row; any other
-key is forwarded to the reward functions, and `env_mask` (1 = the policy's own token) becomes the
-loss mask of the completion (TRL multiplies it into `completion_mask`).
+Reads nothing on disk; used by the GRPO trainer in training/trainer.py (paper §3.3). TRL 1.16's
+`rollout_func(prompts, trainer)` receives the generation batch's prompts — each dataset row repeated
+K = num_generations times in a row — and must return `prompt_ids`, `completion_ids` and `logprobs`
+per row; any other key is forwarded to the reward functions, and `env_mask` (1 = the policy's own
+token) becomes the loss mask of the completion (TRL multiplies it into `completion_mask`).
 
 One row = one episode. A dataset prompt is the key "<source>:<env seed>"; `AgentRollout` builds
 the task with the source's `make_tasks`, plays the K episodes of each group on the trainer's
@@ -50,11 +50,11 @@ from itertools import groupby
 from typing import Any
 
 from trace_lib.agent.chat import parse_assistant, render_prompt
+from trace_lib.agent.policy import Policy
+from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
-from trace_lib.agent.policy import Policy
 from trace_lib.records import Message, Task
-from trace_lib.agent.rollout import must_call
 
 TRUNCATION_MARK = " ...[truncated]"
 TURN_END = "<|im_end|>"

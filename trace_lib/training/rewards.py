@@ -1,6 +1,6 @@
 """Training rewards: the environment's 0/1, or the efficiency-aware trajectory reward.
 
-Reads nothing and writes nothing; the train stage (trace_lib.training.trainer) calls it once per finished
+Reads nothing and writes nothing; the GRPO trainer (training/trainer.py) calls it once per finished
 episode and once per epoch. Implements the efficiency reward carried in the same package as
 TRACE (DESIGN.md, "A second idea"):
 

@@ -1,4 +1,5 @@
-"""Train stage: one LoRA adapter per capability with GRPO on its environment (paper §3.3).
+"""GRPO training of one LoRA adapter on one or more environments (paper §3.3); the train stage
+(`stages/train.py`) calls it once per capability and per baseline.
 
 Reads the prepared model folder and one or more environments (a `make_env` factory and a
 `make_tasks(seeds)` generator each); writes, atomically (a temp folder renamed into place):
@@ -17,10 +18,11 @@ rows are environment seeds (`seed_offset`, `seed_offset + 1`, ...; row g is grou
 each K times, and `grpo.AgentRollout` (its `rollout_func`) plays them as multi-turn episodes on
 the trainer's current model. TRL provides the rest: group-normalised advantages, the clipped
 objective (`epsilon`), the KL term (`beta`, 0 by default), optimizer and checkpoints. What we add
-at its hooks: the rollout function and its loss mask (grpo.py); `compute_loss` skipping episodes
-whose mask is empty (TRL would still run their forward and backward passes); a callback that
-builds our log from TRL's metrics and saves our own state next to each TRL checkpoint;
-`_resume_state`, which picks the newest complete checkpoint and rewinds the ledger to it.
+at its hooks: the rollout function and its loss mask (grpo.py); `AgentGRPOTrainer`, TRL's trainer
+whose `compute_loss` skips episodes whose mask is empty (TRL would still run their forward and
+backward passes); `TraceCallback`, which builds our log from TRL's metrics and saves our own state
+next to each TRL checkpoint; `_resume_state`, which picks the newest complete checkpoint and
+rewinds the ledger to it.
 
 Resume: TRL/HF checkpoints (adapter, optimizer, scheduler, RNG, trainer state) go to
 `out_dir.parent/.<name>.ckpt/checkpoint-<step>/` every `save_every` iterations, plus our
@@ -48,13 +50,25 @@ from pathlib import Path
 from typing import Any
 
 from transformers import PrinterCallback, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
 
+from trace_lib.config import TrainConfig
+from trace_lib.io import (
+    atomic_write_text,
+    dumps_json,
+    iter_jsonl,
+    read_json,
+    write_json,
+)
+from trace_lib.records import AdapterManifest
 from trace_lib.training.budget import RolloutLedger
-from trace_lib.config import Params, TrainConfig
-from trace_lib.envs.base import Environment
-from trace_lib.training.grpo import AgentRollout, TrainSource, drop_masked_rows, prompt_key, trajectory_reward
-from trace_lib.io import atomic_write_text, dumps_json, iter_jsonl, read_json, write_json, write_jsonl
-from trace_lib.records import AdapterManifest, Task
+from trace_lib.training.grpo import (
+    AgentRollout,
+    TrainSource,
+    drop_masked_rows,
+    prompt_key,
+    trajectory_reward,
+)
 from trace_lib.training.rewards import make_reward
 
 STAGE = "train"
@@ -157,6 +171,20 @@ def train_dataset(sources: Sequence[TrainSource], cfg: TrainConfig, seed: int):
 
 
 # --- TRL hooks --------------------------------------------------------------------------------------
+class AgentGRPOTrainer(GRPOTrainer):
+    """TRL's trainer, minus the forward/backward of episodes whose loss mask is empty.
+
+    TRL keeps zero-advantage (and fully masked) rows in the batch; they contribute exactly
+    nothing, and on CPU they were most of an iteration (~70 s per 2.5k-token episode).
+    """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        kept = drop_masked_rows(inputs)
+        if kept is None:  # a zero loss still connected to the trainable weights, for backward()
+            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return super().compute_loss(model, kept, return_outputs, num_items_in_batch)
+
+
 class TraceCallback(TrainerCallback):
     """Builds train_log rows from TRL's metrics + our rollout stats; saves our state with checkpoints."""
 
@@ -224,19 +252,12 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# --- the stage --------------------------------------------------------------------------------------
-def train_adapter(model_dir: Path, make_env: Callable[[], Environment], make_tasks: Callable[[list[int]], list[Task]],
-                  cfg: TrainConfig, out_dir: Path, *, seed: int, ledger: RolloutLedger, name: str,
-                  progress: bool = False, env_sha256: str = "") -> AdapterManifest:
-    """Train one LoRA adapter with GRPO on one environment; see the module docstring for outputs."""
-    return train_adapter_mixture(model_dir, [TrainSource(name, make_env, make_tasks)], cfg, out_dir, seed=seed,
-                                 ledger=ledger, name=name, progress=progress, env_sha256=env_sha256)
-
-
+# --- training ---------------------------------------------------------------------------------------
 def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: TrainConfig, out_dir: Path, *,
                           seed: int, ledger: RolloutLedger, name: str, progress: bool = False,
                           env_sha256: str = "") -> AdapterManifest:
-    """Train one adapter on several environments: each group's source is drawn with the sources' weights."""
+    """Train one LoRA adapter with GRPO on one or more environments (see the module docstring for the
+    outputs); with several, each group's source is drawn with the sources' weights."""
     if len({s.name for s in sources}) != len(sources) or not sources:
         raise ValueError(f"need one or more sources with distinct names, got {[s.name for s in sources]}")
     if any(":" in s.name for s in sources):
@@ -317,26 +338,11 @@ def _micro_batch(cfg: TrainConfig) -> int:
 
 
 def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, callback, ckpt_root: Path,
-                  iterations: int, seed: int, progress: bool):
+                  iterations: int, seed: int, progress: bool) -> AgentGRPOTrainer:
     """TRL's GRPOTrainer set up for one optimizer step per G x K episodes."""
     import torch
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
-    from trl import GRPOConfig, GRPOTrainer
-
-    class AgentGRPOTrainer(GRPOTrainer):
-        """TRL's trainer, minus the forward/backward of episodes whose loss mask is empty.
-
-        TRL keeps zero-advantage (and fully masked) rows in the batch; they contribute exactly
-        nothing, and on CPU they were most of an iteration (~70 s per 2.5k-token episode).
-        """
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            kept = drop_masked_rows(inputs)
-            if kept is None:  # a zero loss still connected to the trainable weights, for backward()
-                return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-            return super().compute_loss(model, kept, return_outputs, num_items_in_batch)
-
     micro, per_iter = _micro_batch(cfg), cfg.groups * cfg.group_size
     args = GRPOConfig(
         output_dir=str(ckpt_root), seed=seed, max_steps=iterations,
@@ -361,109 +367,11 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
     return trainer
 
 
-
 def read_train_log(out_dir: Path) -> list[dict[str, Any]]:
     """The rows of `out_dir/train_log.jsonl`, one per iteration."""
     return list(iter_jsonl(Path(out_dir) / "train_log.jsonl"))
 
 
-# --- the dvc stage ----------------------------------------------------------------------------------
-def train_paths(params: Params, root: Path = Path(".")) -> dict[str, Path]:
-    return {"adapters": root / "data" / "adapters", "ledgers": root / "data" / "train",
-            "manifests": root / "data" / "adapters" / "manifests.jsonl",
-            "metrics": root / "reports" / "metrics" / "train.json", "model": root / params.model.out_dir,
-            "curves": root / "reports" / "train"}
-
-
-def _sandbox_limits(params: Params):
-    from trace_lib.synth.sandbox import SandboxLimits
-
-    v = params.synthesize.validation
-    # The validation CPU limit is a lifetime limit for a short check; a worker serving a whole training
-    # run spends more, so it gets an hour (wall-time per request and memory stay as validated).
-    return SandboxLimits(timeout_s=v.timeout_s, cpu_s=max(v.cpu_s, 3600), memory_mb=v.memory_mb)
-
-
-def target_source(params: Params) -> TrainSource:
-    """The target environment's train tasks as a training source (the 'GRPO on target' baseline)."""
-    from trace_lib.envs import make_env, make_tasks
-
-    tasks = make_tasks(params.env, params.rollout.split)
-    if not tasks:
-        raise ValueError(f"the target {params.env.name!r} has no {params.rollout.split!r} tasks to train on")
-    return TrainSource("target", lambda: make_env(params.env),
-                       lambda seeds: [tasks[s % len(tasks)] for s in seeds])
-
-
-def synthetic_source(box, capability: str, params: Params, weight: float = 1.0) -> TrainSource:
-    """A validated synthetic environment (served by the sandbox `box`) as a training source."""
-    from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-
-    return TrainSource(capability,
-                       lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode),
-                       lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train"),
-                       weight)
-
-
-def _fresh_ledger(path: Path, out_dir: Path, name: str) -> RolloutLedger:
-    """The adapter's ledger: kept when a checkpoint will resume the run, else started empty (a rerun
-    of the stage trains from scratch and must not count the previous run's rollouts)."""
-    if not (out_dir.parent / f".{name}.ckpt").is_dir():
-        path.unlink(missing_ok=True)
-    return RolloutLedger(path)
-
-
-def run_train(params: Params, root: Path = Path("."), progress: bool = False) -> dict[str, Any]:
-    """The whole stage: one adapter per validated environment, then the baselines at TRACE's budget;
-    each adapter's curves also go to `reports/train/<name>.csv` (dvc plots)."""
-    from contextlib import ExitStack
-
-    from trace_lib.evaluation.inputs import adapter_dir, ledger_path, trace_budget
-    from trace_lib.synth.sandbox import SandboxProcess
-    from trace_lib.synth.synthesize import valid_envs
-
-    paths = train_paths(params, root)
-    cfg = params.train
-    envs = valid_envs(root)
-    manifests: list[AdapterManifest] = []
-    with ExitStack() as stack:
-        boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, _sandbox_limits(params)))
-                 for m in envs}
-        for m in envs:
-            source = synthetic_source(boxes[m.capability_id], m.capability_id, params)
-            manifests.append(train_adapter_mixture(
-                paths["model"], [source], cfg, adapter_dir(root, m.capability_id), seed=params.seed,
-                ledger=_fresh_ledger(ledger_path(root, m.capability_id), adapter_dir(root, m.capability_id),
-                                     m.capability_id), name=m.capability_id,
-                progress=progress, env_sha256=m.sha256))
-        budget = trace_budget(root, [m.capability_id for m in envs])["total"] if envs else 0
-        per_iter = cfg.groups * cfg.group_size
-        baselines = {"grpo_target": lambda: [target_source(params)],
-                     "merged_data": lambda: [synthetic_source(boxes[m.capability_id], m.capability_id, params,
-                                                              cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
-        skipped: dict[str, str] = {}
-        for name in cfg.baselines:
-            if name == "merged_data" and len(envs) < 2:
-                skipped[name] = f"needs two or more synthetic environments, have {len(envs)}"
-                continue
-            if budget < per_iter:
-                skipped[name] = f"TRACE spent {budget} rollouts, less than one iteration ({per_iter})"
-                continue
-            bcfg = cfg.model_copy(update={"rollout_budget": budget, "iterations": budget // per_iter})
-            manifests.append(train_adapter_mixture(
-                paths["model"], baselines[name](), bcfg, adapter_dir(root, name, baseline=True), seed=params.seed,
-                ledger=_fresh_ledger(ledger_path(root, name, baseline=True), adapter_dir(root, name, baseline=True),
-                                     name), name=name, progress=progress))
-    write_jsonl(paths["manifests"], manifests)
-    from trace_lib.plots.train import write_train_csvs  # lazy: matplotlib
-
-    write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths["curves"])
-    metrics = {
-        "backend": resolve_train_backend(cfg.backend),
-        "adapters": {m.capability_id: {"rollouts": m.rollouts_used, "iterations": m.iterations,
-                                       "final_reward": m.final_reward} for m in manifests},
-        "trace_budget": budget, "baselines_skipped": skipped,
-        "note": "no validated environments: no adapters trained" if not envs else "",
-    }
-    write_json(paths["metrics"], metrics)
-    return metrics
+def read_timing(out_dir: Path) -> dict[str, Any]:
+    """`out_dir/timing.json`: seconds per iteration, their total and mean (`seconds_per_iteration`)."""
+    return read_json(Path(out_dir) / "timing.json")

@@ -1,0 +1,118 @@
+"""The shape of the library and the pipeline: import graph, dvc deps and outs, one name per stage.
+
+These tests read source and dvc.yaml only (no stage runs): a dvc stage that misses a file its notebook
+imports or reads would let `dvc repro` report results that no longer match the code.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+from import_graph import (
+    LIB, REPO, all_modules, closure, direct_imports, find_cycle, imports_in_source, module_file, stage_files,
+)
+
+from trace_lib.paths import STAGES, Paths, notebook, stage_outs
+
+DVC = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+
+
+def _entries(items: list) -> list[str]:
+    return [next(iter(i)) if isinstance(i, dict) else i for i in items]
+
+
+def _covered(path: Path, deps: list[str]) -> bool:
+    rel = path.relative_to(REPO)
+    return any(rel == Path(d) or Path(d) in rel.parents for d in deps)
+
+
+def test_dvc_has_the_nine_stages_in_order_each_running_its_own_notebook():
+    assert list(DVC) == list(STAGES)
+    for stage in STAGES:
+        nb = notebook(stage)
+        assert (REPO / nb).is_file(), nb
+        assert f" {nb} " in DVC[stage]["cmd"] and str(nb) in _entries(DVC[stage]["deps"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_deps_cover_every_file_its_notebook_imports_or_reads(stage: str):
+    deps = _entries(DVC[stage]["deps"])
+    missing = sorted(str(p.relative_to(REPO)) for p in stage_files(REPO / notebook(stage)) if not _covered(p, deps))
+    assert not missing, f"dvc.yaml stage {stage!r} misses deps: {missing}"
+    earlier = {o for s in STAGES[: STAGES.index(stage)] for o in _entries(DVC[s].get("outs", []) + DVC[s].get("metrics", []))}
+    absent = [d for d in deps if d not in earlier and not (REPO / d).exists()]
+    assert not absent, f"{stage}: deps neither in the repo nor written by an earlier stage: {absent}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_depends_on_the_profile_and_seed(stage: str):
+    params = _entries(DVC[stage].get("params", []))
+    assert "params.yaml" in params or {"profile", "seed"} <= set(params), params
+
+
+def test_closure_follows_function_level_imports_and_module_strings():
+    found = imports_in_source("def f():\n    from trace_lib.agent import policy\n"
+                              "cmd = ['-m', 'trace_lib.synth.worker']\n", "")
+    assert {"trace_lib", "trace_lib.agent", "trace_lib.agent.policy", "trace_lib.synth.worker"} <= found
+    assert "trace_lib.config" in closure({"trace_lib.stages.rollout"})  # imported by what it imports
+    assert imports_in_source('"""Written by trace_lib.stages.train."""\nx = "see trace_lib.io"\n', "") == set()
+
+
+def test_a_missing_dep_is_reported(tmp_path: Path):
+    files = stage_files(REPO / notebook("rollout"))
+    prompt = LIB / "envs" / "retail_policy.md"
+    assert prompt in files and (LIB / "config.py") in files and (LIB / "agent" / "kvcache.py") in files
+    assert not _covered(prompt, ["trace_lib/agent", "trace_lib/config.py"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_dvc_outs_are_the_paths_module(stage: str):
+    """Each stage declares exactly the outputs trace_lib.paths names (plus its executed notebook)."""
+    declared = {o for o in _entries(DVC[stage].get("outs", []) + DVC[stage].get("metrics", [])
+                                    + DVC[stage].get("plots", []))
+                if not o.startswith("reports/notebooks/")}
+    assert declared == {str(p) for p in stage_outs(Paths(Path(".")))[stage]}
+    assert f"reports/notebooks/{notebook(stage).name}" in _entries(DVC[stage]["outs"])
+
+
+def test_no_import_cycles():
+    assert find_cycle(all_modules()) is None, f"import cycle: {' -> '.join(find_cycle(all_modules()))}"
+
+
+def test_stages_import_no_stage_and_packages_import_no_stage():
+    for name in all_modules():
+        bad = [m for m in direct_imports(name) if m.startswith("trace_lib.stages.")]
+        if name.startswith("trace_lib.stages"):
+            assert not bad, f"stage module {name} imports another stage: {bad}"
+        else:
+            assert not bad, f"{name} (a package) imports a stage: {bad}"
+
+
+def test_one_run_function_per_stage_with_the_same_signature():
+    for stage in STAGES:
+        path = module_file(f"trace_lib.stages.{stage}")
+        assert path is not None, f"trace_lib/stages/{stage}.py is missing"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        runs = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("run_")]
+        assert [f.name for f in runs] == [f"run_{stage}"], (stage, [f.name for f in runs])
+        assert [a.arg for a in runs[0].args.args] == ["params", "root"], stage
+
+
+def test_every_module_opens_with_a_docstring():
+    undocumented = [m for m in all_modules() if not ast.get_docstring(ast.parse(module_file(m).read_text()))]
+    assert not undocumented, undocumented
+
+
+def test_no_artifact_path_literals_outside_paths():
+    """`data/...` and `reports/...` are spelled in trace_lib/paths.py only (config defaults aside)."""
+    offenders = []
+    for path in LIB.rglob("*.py"):
+        if path.name == "paths.py" or path.name == "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in ("data", "reports"):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not offenders, offenders

@@ -1,0 +1,68 @@
+"""One meaning of "the agent said X": the reward, the synthesized environments and the analyst agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from trace_lib import synth_sdk
+from trace_lib.analyst.detectors import detect
+from trace_lib.envs.said import normalize_text, output_found, said_to_user, texts_said
+from trace_lib.records import Message, Task, ToolCall, Trajectory, UserScenario
+
+CASES = [
+    ("1234.50", "That is $1,234.50.", True),
+    ("1234.5", "The total was 1234.50 dollars", True),
+    ("536.65", "You paid $536.65 in total.", True),
+    ("100.00", "It cost 100 dollars", True),
+    ("$100", "It cost $100.", True),
+    ("100", "You paid 1000", False),
+    ("100", "It cost 1000 dollars", False),
+    ("Delivered", "your order was DELIVERED.", True),
+    ("pending", "it is not processed", False),
+    ("delivered", "it is undelivered", False),
+]
+
+
+@pytest.mark.parametrize("required,text,found", CASES)
+def test_output_matching(required, text, found):
+    assert output_found(required, [text]) is found
+
+
+def test_normalize_text():
+    assert normalize_text("Total: $1,234.50 and 3.00 and 7") == "total: $1234.5 and 3 and 7"
+
+
+def _trajectory(text: str) -> Trajectory:
+    msgs = [Message(role="system", content="policy"), Message(role="user", content="status of #W1?"),
+            Message(role="assistant", content="", tool_calls=[ToolCall(name="get_order_details",
+                                                                          arguments={"order_id": "#W1"})]),
+            Message(role="tool", name="get_order_details", content='{"status": "delivered"}'),
+            Message(role="assistant", content=text)]
+    return Trajectory(id="t", task_id="task", env="retail", family="f", split="train", policy_id="p", seed=0,
+                      messages=msgs, reward=0.0, success=False, termination="user_stop", tool_calls=1,
+                      invalid_actions=0, tool_errors=0, turns=len(msgs), prompt_tokens=0, completion_tokens=0)
+
+
+@pytest.mark.parametrize("required,text,found", CASES)
+def test_reward_sdk_and_analyst_agree(required, text, found):
+    """The analyst's communicate_result label is PRESENT exactly when the reward's matcher finds the
+    output; before the matcher was shared, 'You paid 1000' counted as saying '100' for the analyst."""
+    traj = _trajectory(text)
+    task = Task(id="task", env="retail", split="train", family="f", instruction="i",
+                user=UserScenario(reason_for_call="help"), required_outputs=[required])
+    (label,) = detect(traj, {"get_order_details": "read"}, task, ids=["communicate_result"])
+    as_dict = {"messages": [m.model_dump(mode="json") for m in traj.messages]}
+    assert said_to_user(traj.messages, required) is found
+    assert synth_sdk.said(as_dict, required) is found
+    assert label.label == ("PRESENT" if found else "LACKING")
+
+
+def test_only_plain_agent_turns_count():
+    msgs = [Message(role="user", content="the total is 45"),
+            Message(role="assistant", content="45", tool_calls=[ToolCall(name="x", arguments={})]),
+            Message(role="assistant", content="45", invalid="not a tool call"),
+            Message(role="tool", name="x", content="45"),
+            Message(role="assistant", content="It was 46.")]
+    assert texts_said(msgs) == ["It was 46."]
+    assert not said_to_user(msgs, "45") and said_to_user(msgs, "46")
+    assert texts_said([m.model_dump(mode="json") for m in msgs]) == ["It was 46."]

@@ -1,0 +1,277 @@
+"""Stage `evaluate`: the router + capability adapters on held-out target tasks, against baselines.
+
+Reads params.yaml (sections `model`, `env`, `rollout`, `analyst`, `synthesize`, `train`, `evaluate`),
+the prepared model and what `trace_lib.evaluation.inputs` lists (adapters, ledgers, synthetic envs, kept
+capabilities); writes
+
+    data/evaluate/trajectories/<method>.jsonl   every evaluation episode (Trajectory, no timings)
+    data/evaluate/routes/<method>.jsonl         the router's decision per task (RouteDecision)
+    data/evaluate/results.jsonl                 one EvalResult per method that ran
+    data/evaluate/gepa_*                        the GEPA row's prompt and ledgers (`trace_lib.evaluation.gepa`)
+    reports/tables/{table1,routing,interference,capabilities}.md, table1.csv
+    reports/metrics/evaluate.json               rates, CIs, paired tests vs base, budgets, routing quality
+    reports/figures/evaluate_*.png              success per method, interference heatmap, routing confusion
+
+Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis). Methods:
+
+    base           the base model, no adapter
+    grpo_target    GRPO on the target's train tasks (one adapter)           | baselines trained at
+    merged_data    one adapter trained on the mixture of all synthetic envs | TRACE's rollout budget
+    gepa           GEPA-optimized system prompt (`trace_lib.evaluation.gepa`) |
+    linear_merge   the per-capability adapters averaged (α = 1/n each), one fixed merge for every task
+    single         each capability adapter alone on every task; the best one gets its own row
+    oracle_route   each task routed by its known capability tags (built-in families only)
+    trace          the base model routes each task: `argmax` (one adapter or none) and/or `top_p`
+                   (α-weighted merge, `compose.apply_route`)
+
+Running a method is `trace_lib.evaluation.runner`; the tables are `trace_lib.evaluation.tables`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from trace_lib.agent.policy import load_policy
+from trace_lib.config import EnvConfig, EvaluateConfig, Params
+from trace_lib.envs import make_env
+from trace_lib.envs.base import Environment
+from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.evaluation import inputs
+from trace_lib.evaluation.gepa import gepa_status, run_gepa, with_prompt
+from trace_lib.evaluation.runner import (
+    INTERFERENCE_SEED0,
+    EpisodeMemo,
+    Routing,
+    eval_rollout_config,
+    eval_targets,
+    evaluate_policy,
+    interference_matrix,
+    oracle_decisions,
+    route_all,
+    routing_quality,
+    with_top_p,
+)
+from trace_lib.evaluation.tables import (
+    TABLE1_ORDER,
+    MethodRun,
+    capability_table,
+    eval_results,
+    groups_of,
+    interference_frame,
+    interference_table,
+    markdown,
+    ordered_rows,
+    router_quality_table,
+    routing_table,
+    summarize_runs,
+    table1,
+    table1_long,
+)
+from trace_lib.io import atomic_write_text, write_json, write_jsonl
+from trace_lib.paths import Paths
+from trace_lib.plots import save_figure
+from trace_lib.plots.evaluate import (
+    interference_heatmap,
+    routing_confusion,
+    success_by_method,
+)
+from trace_lib.records import Task, Trajectory
+from trace_lib.routing.route import (
+    RetrievalIndex,
+    RouteCandidate,
+    RouteDecision,
+    make_candidate,
+)
+from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
+
+
+def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
+    """The whole stage (see the module docstring); returns the metrics written to evaluate.json."""
+    cfg: EvaluateConfig = params.evaluate
+    t0 = time.perf_counter()
+    paths = Paths(root)
+    model_dir = root / params.model.out_dir
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first")
+    caps, baselines = inputs.find_adapters(root)
+    names = sorted(caps)
+    policy = load_policy(model_dir, dtype=params.model.dtype, threads=params.rollout.threads,
+                         adapters={n: str(p) for n, p in {**caps, **baselines}.items()} or None)
+    for folder in [*caps.values(), *baselines.values()]:
+        inputs.check_base_model(folder, policy.base_id)
+    rcfg = eval_rollout_config(params.rollout, cfg)
+    targets = eval_targets(params.env, cfg, root)
+    tasks = [t for _, ts in targets for t in ts]
+    budget = inputs.trace_budget(root, names)
+    wanted = set(cfg.methods)
+    runs: list[MethodRun] = []
+    decisions: dict[str, list[RouteDecision]] = {}
+    memo: EpisodeMemo | None = {} if rcfg.temperature == 0 else None
+
+    def run(routing_for: Callable[[EnvConfig, list[Task]], Routing],
+            prompts: Mapping[str, str] | None = None) -> list[Trajectory]:
+        out: list[Trajectory] = []
+        for ecfg, ts in targets:
+            factory: Callable[[], Environment] = lambda e=ecfg: make_env(e)  # noqa: E731
+            if prompts is not None:  # another system prompt: never share episodes with the memo
+                factory = with_prompt(factory, prompts[ecfg.name])
+            out += evaluate_policy(policy, ts, factory, rcfg, cfg.seed, routing_for(ecfg, ts),
+                                   progress, memo if prompts is None else None, ecfg.name)
+        return out
+
+    def add(method: str, key: str, label: str, reason: str | None = None, routing_for=None,
+            budget_n: int | None = None, source: str = "", prompts: Mapping[str, str] | None = None) -> None:
+        if reason is None and method not in wanted:
+            reason = "not in evaluate.methods"
+        trajs = run(routing_for, prompts) if reason is None else None
+        runs.append(MethodRun(method, key, label, trajs, reason or "", budget_n, source))
+
+    add("base", "base", "base", routing_for=lambda e, ts: None, budget_n=0, source="no training")
+    for name, label in (("grpo_target", "GRPO on target"), ("merged_data", "merged data (one adapter)")):
+        if name in baselines:
+            n, src = inputs.adapter_budget(root, name, baseline=True)
+            add(name, name, label, routing_for=lambda e, ts, a=name: a, budget_n=n, source=src)
+        else:
+            add(name, name, label, f"no adapter at {paths.adapter(name, True).relative_to(root)} "
+                                   "(train it at TRACE's budget: eval_inputs.trace_budget)")
+    gepa_reason, gepa_record = gepa_status(params, budget["total"]), None
+    if gepa_reason is None and "gepa" in wanted:
+        gepa = run_gepa(policy, params, root, budget["total"], make_env)
+        add("gepa", "gepa", "GEPA (system prompt)", routing_for=lambda e, ts: None, prompts=gepa.prompts,
+            budget_n=gepa.record["rollouts_used"], source=gepa.record["ledger"])
+        gepa_record = gepa.record
+    else:
+        add("gepa", "gepa", "GEPA (system prompt)", gepa_reason)
+    trace = {"budget_n": budget["total"], "source": "TRACE adapters"}
+    no_caps = "no capability adapters under data/adapters/" if not names else None
+    add("linear_merge", "linear_merge", "linear merge (α = 1/n)",
+        no_caps or ("one capability adapter: its merge is the single adapter" if len(names) < 2 else None),
+        lambda e, ts: {n: 1 / len(names) for n in names}, **trace)
+    if no_caps or "single" not in wanted:
+        add("single", "single", "single-capability", no_caps)
+    else:
+        for name in names:
+            add("single", f"single_{name}", f"single: {name}", None, lambda e, ts, a=name: a,
+                budget["by_adapter"][name], "its own training")
+    add("oracle_route", "oracle_route", "oracle routing (task tags)",
+        no_caps or (None if any(t.capability_tags for t in tasks) else "the tasks carry no capability tags"),
+        lambda e, ts: oracle_decisions(ts, names), **trace)
+    quality: dict[str, Any] = {}
+    interference: list[dict[str, Any]] = []
+    envs = inputs.synthetic_manifests(root)
+    with ExitStack() as stack:
+        boxes = _open_sandboxes(stack, root, params, [n for n in names if n in envs], envs)
+        if "trace" in wanted and not no_caps:
+            candidates, index = _router_inputs(root, params, names, boxes, cfg)
+            rc = cfg.model_copy(update={"batch_size": rcfg.batch_size})
+            decisions["trace_argmax"] = [d for ecfg, ts in targets for d in route_all(
+                policy, ts, candidates, rc, lambda e=ecfg: make_env(e), index)]
+            decisions["trace_top_p"] = with_top_p(decisions["trace_argmax"], cfg.top_p)
+            quality = routing_quality(decisions["trace_argmax"], tasks, names, cfg.seed)
+        for mode in ("argmax", "top_p"):
+            key = f"trace_{mode}"
+            off = None if cfg.route_mode in (mode, "both") else f"evaluate.route_mode is {cfg.route_mode!r}"
+            add("trace", key, f"TRACE ({mode.replace('_', '-')})", no_caps or off,
+                lambda e, ts, k=key: decisions[k], **trace)
+        if cfg.interference_seeds and boxes:
+            interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
+                                               progress)
+    metrics = _write_reports(runs, targets, decisions, quality, interference, budget, cfg, paths,
+                             extra={"analysis_rollouts": inputs.analysis_rollouts(root, params.rollout.split),
+                                    "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
+                                    **({"gepa": gepa_record} if gepa_record else {}),
+                                    "episodes_decoded": None if memo is None else sum(map(len, memo.values())),
+                                    "seconds": round(time.perf_counter() - t0, 1)})
+    return metrics
+
+
+def _open_sandboxes(stack: ExitStack, root: Path, params: Params, names: list[str], envs: Mapping[str, Any]) -> dict:
+    if not names:
+        return {}
+    limits = limits_from_config(params.synthesize.validation)
+    return {n: stack.enter_context(SandboxProcess(root / envs[n].path, limits)) for n in names}
+
+
+def _router_inputs(root: Path, params: Params, names: list[str], boxes: Mapping[str, Any], cfg: EvaluateConfig
+                   ) -> tuple[list[RouteCandidate], RetrievalIndex | None]:
+    seed0, difficulty = params.train.seed_offset, params.synthesize.difficulty
+    candidates = []
+    for cap in inputs.kept_capabilities(root, names):
+        example = None
+        if cap.id in boxes:
+            ref = inputs.reference_trajectory(boxes[cap.id], cap.id, params.env, seed0, difficulty)
+            example = ref if ref.success else None
+        candidates.append(make_candidate(cap, example))
+    index = None
+    if cfg.retrieval_k is not None and boxes:
+        seeds = list(range(seed0, seed0 + inputs.RETRIEVAL_EXAMPLES))
+        items = [it for n, box in boxes.items() for it in inputs.retrieval_openings(box, n, seeds, difficulty)]
+        index = RetrievalIndex.build(items)
+    return candidates, index
+
+
+def _interference_envs(boxes: Mapping[str, Any], params: Params, cfg: EvaluateConfig) -> dict:
+    seeds = list(range(INTERFERENCE_SEED0, INTERFERENCE_SEED0 + cfg.interference_seeds))
+    return {n: (lambda b=box: SyntheticEnv(b, params.env),
+                synthetic_tasks(box, n, seeds, params.synthesize.difficulty, "test")) for n, box in boxes.items()}
+
+
+def _clear(folder: Path) -> None:
+    if folder.is_dir():
+        for old in folder.glob("*.jsonl"):
+            old.unlink()
+
+
+def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[Task]]], decisions: dict[str, list],
+                   quality: dict[str, Any], interference: list[dict[str, Any]], budget: dict[str, Any],
+                   cfg: EvaluateConfig, paths: Paths, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write every output of the stage but GEPA's; returns the metrics (also in evaluate.json)."""
+    summarize_runs(runs, cfg.n_boot, cfg.ci_level, cfg.seed)
+    tasks = [t for _, ts in targets for t in ts]
+    env_names = [e.name for e, _ in targets]
+    groups = groups_of(tasks)
+    trace_total = int(budget["total"])
+    _clear(paths.eval_trajectories)
+    _clear(paths.eval_routes)
+    for r in runs:
+        if r.ran:
+            write_jsonl(paths.eval_episodes(r.key), r.trajectories)
+    for key, ds in decisions.items():
+        write_jsonl(paths.route_decisions(key), ds)
+    write_jsonl(paths.eval_results, eval_results(runs, ",".join(env_names), cfg.split))
+
+    t1 = table1(runs, groups, trace_total)
+    caption = (f"Success rate (%) on {', '.join(env_names)} ({cfg.split} split, {len(tasks)} tasks, "
+               f"{cfg.samples_per_task} episode(s) per task, temperature {cfg.temperature:g}) with "
+               f"{cfg.ci_level:.0%} bootstrap intervals over tasks; rollouts = training episodes behind the "
+               f"method (TRACE: {trace_total}).\n\n")
+    atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption + markdown(t1))
+    atomic_write_text(paths.table("table1", ".csv"), table1_long(runs, groups).to_csv(index=False))
+    atomic_write_text(paths.table("routing"), "# Routing vs merging\n\n" + markdown(routing_table(runs, trace_total))
+                      + "\n## Router vs oracle and random routing\n\n" + markdown(router_quality_table(quality))
+                      + (f"\n{quality['note']}\n" if quality.get("note") else ""))
+    adapters = extra.get("adapters", []) if extra else []
+    atomic_write_text(paths.table("interference"), "# Adapter interference\n\nSuccess of each adapter (rows) on "
+                      "each capability's synthetic environment (columns), held-out seeds.\n\n"
+                      + (markdown(interference_table(interference)) if interference else "not run\n"))
+    atomic_write_text(paths.table("capabilities"), "# Per-capability success before / after\n\n"
+                      + markdown(capability_table(tasks, runs, interference, adapters)))
+
+    save_figure(success_by_method(ordered_rows(runs)), paths.figure("evaluate_success"))
+    save_figure(interference_heatmap(interference_frame(interference)), paths.figure("evaluate_interference"))
+    save_figure(routing_confusion(quality), paths.figure("evaluate_routing_confusion"))
+
+    metrics: dict[str, Any] = {
+        "split": cfg.split, "envs": env_names, "tasks": len(tasks), "trace_budget": budget,
+        "methods": {r.key: {"label": r.label, "status": "run" if r.ran else "not run", "reason": r.reason,
+                            "rollouts": r.budget, "budget_source": r.budget_source,
+                            **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base")} if r.ran else {})}
+                    for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route"))},
+        "routing": quality, "interference": interference, **(extra or {}),
+    }
+    write_json(paths.metrics("evaluate"), metrics)
+    return metrics

@@ -1,0 +1,60 @@
+"""Stage `rollout`: the base agent on the target environment's train split (paper §3.1, first step).
+
+Reads params.yaml (`model`, `env`, `rollout`; `evaluate.split`) and the prepared model folder
+(`model.out_dir`, taken from the working directory so sweeps share it); writes the target's tasks of
+the rollout and evaluation splits (`data/rollouts/tasks-<split>.jsonl`, written once here and read
+by every later stage), the trajectories (`data/rollouts/<split>.jsonl`, sorted by id, no timings so
+the bytes repeat) and `reports/metrics/rollout.json` (success rate with 95% CI, per family, tool
+calls, invalid-action rate, tokens/s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trace_lib.agent.rollout import collect_rollouts, select_tasks, summarize
+from trace_lib.config import Params
+from trace_lib.envs import make_env, make_tasks, task_split
+from trace_lib.io import write_json, write_jsonl
+from trace_lib.paths import Paths
+
+
+def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
+    """The whole stage: write the tasks, load the policy, roll out, write trajectories and metrics."""
+    from trace_lib.agent.policy import load_policy  # heavy import (torch), kept out of module import time
+
+    model_dir = Path(params.model.out_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
+                                "(dvc repro prepare_model)")
+    paths = Paths(root)
+    for split in sorted({params.rollout.split, task_split(params.env.name, params.evaluate.split)}):
+        write_jsonl(paths.tasks(split), make_tasks(params.env, split))
+    if params.rollout.threads:
+        import torch
+
+        torch.set_num_threads(params.rollout.threads)
+    tasks = select_tasks(params.env, params.rollout)
+    if not tasks:
+        raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")
+    policy = load_policy(model_dir, dtype=params.model.dtype)
+    trajectories, timing = collect_rollouts(
+        policy, lambda: make_env(params.env), tasks, params.rollout, params.seed, progress=progress
+    )
+    write_jsonl(paths.rollouts(params.rollout.split), trajectories)
+    metrics = {
+        "env": params.env.name,
+        "split": params.rollout.split,
+        "policy_id": policy.policy_id,
+        "constrained": params.rollout.constrained,
+        "temperature": params.rollout.temperature,
+        **summarize(trajectories),
+        "timing": {
+            "seconds": round(timing.seconds, 2),
+            "seconds_per_episode": round(timing.seconds / max(1, timing.episodes), 3),
+            "agent_tokens_per_second": round(timing.tokens_per_second, 2),
+        },
+    }
+    write_json(paths.metrics("rollout"), metrics)
+    return metrics

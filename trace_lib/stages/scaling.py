@@ -1,0 +1,180 @@
+"""Stage `scaling`: success against rollout budget, and the ablation table.
+
+Reads (written by the train and evaluate stages):
+
+    data/adapters/<cap>/snapshots/iter-<k>/     the adapter after iteration k (PEFT) + snapshot.json
+                                                {iteration, rollouts}; the final adapter is the folder itself
+    data/adapters/_baselines/grpo_target/...    the same for GRPO on the target (when trained)
+    data/train/.../rollouts.jsonl, data/envs/rollouts.jsonl
+                                                the rollout ledgers behind TRACE's budget
+    data/evaluate/routes/trace_argmax.jsonl     the router's decision per task
+    data/evaluate/trajectories/<method>.jsonl   base, trace_argmax, ... episodes (reused, never re-decoded)
+    reports/metrics/evaluate.json               budgets and which methods ran
+
+Writes
+
+    data/scaling/points.jsonl                   one row per (method, budget): success, CI, tool calls
+    data/scaling/trajectories/<method>@<budget>.jsonl
+    reports/tables/scaling.md, reports/tables/ablations.md
+    reports/figures/scaling.png
+    reports/metrics/scaling.json
+
+Paper: the rollout-scaling figure (success vs rollouts for TRACE, GRPO on the target and GEPA) and the
+ablation table. Budget points come from the adapters' snapshots (`trace_lib.evaluation.scaling`); a
+point routes each task as the evaluate stage's router did. Budget 0 is the base model and the last
+point is the evaluate stage's own TRACE row, so on the CPU default only the intermediate snapshots
+decode new episodes (greedy, shared through `evaluate_policy`'s memo).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trace_lib.agent.policy import load_policy
+from trace_lib.config import Params, ScalingConfig
+from trace_lib.envs import make_env
+from trace_lib.evaluation import inputs
+from trace_lib.evaluation.runner import (
+    eval_rollout_config,
+    eval_targets,
+    evaluate_policy,
+)
+from trace_lib.evaluation.scaling import (
+    ablation_rows,
+    ablation_table,
+    budget_points,
+    find_snapshots,
+    point_routing,
+    point_row,
+    routed_adapters,
+    scaling_table,
+    snapshot_name,
+    trajectories_of,
+)
+from trace_lib.evaluation.tables import markdown
+from trace_lib.io import (
+    atomic_write_text,
+    read_json,
+    read_jsonl,
+    write_json,
+    write_jsonl,
+)
+from trace_lib.paths import Paths
+from trace_lib.plots import save_figure
+from trace_lib.plots.evaluate import scaling_curve
+from trace_lib.records import Trajectory
+from trace_lib.routing.route import RouteDecision
+
+
+def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
+    """The whole stage (see the module docstring); returns the metrics written to scaling.json."""
+    t0 = time.perf_counter()
+    cfg: ScalingConfig = params.scaling
+    ecfg = params.evaluate
+    paths = Paths(root)
+    metrics_path = paths.metrics("evaluate")
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"{metrics_path} not found: run the evaluate stage first")
+    evaluated = read_json(metrics_path)
+    caps, baselines = inputs.find_adapters(root)
+    names = sorted(caps)
+    budget = inputs.trace_budget(root, names)
+    snaps = {n: find_snapshots(caps[n]) for n in names}
+    points = budget_points(snaps, budget["by_adapter"], budget["synthesize"], cfg.budgets)
+    base = trajectories_of(root, "base")
+    final = trajectories_of(root, "trace_argmax")
+    routes = paths.route_decisions("trace_argmax")
+    decisions = read_jsonl(routes, RouteDecision) if routes.is_file() else None
+    rows: list[dict[str, Any]] = []
+    written: dict[str, list[Trajectory]] = {}
+    todo = [p for p in points if p["iteration"] not in (0, None)]
+    if base is None:
+        reason = evaluated["methods"].get("base", {}).get("reason") or "the base model was not evaluated"
+        rows += [point_row("TRACE", p["total"], p["iteration"], None, reason) for p in points]
+    elif decisions is None or final is None:
+        reason = "TRACE (argmax) was not evaluated: " + evaluated["methods"].get("trace_argmax", {}).get("reason", "")
+        rows.append(point_row("TRACE", 0, 0, base, "", ecfg.n_boot, ecfg.ci_level, ecfg.seed))
+        rows += [point_row("TRACE", p["total"], p["iteration"], None, reason) for p in points[1:]]
+    else:
+        by_point = {0: base, None: final}
+        if todo:
+            by_point.update(_decode_points(params, root, todo, routed_adapters(decisions), base, progress))
+        for p in points:
+            trajs = by_point[p["iteration"]]
+            rows.append(point_row("TRACE", p["total"], p["iteration"], trajs, "", ecfg.n_boot, ecfg.ci_level,
+                                  ecfg.seed))
+            if p["iteration"] not in (0, None):
+                written[f"trace@{p['total']}"] = trajs
+    grpo = evaluated["methods"].get("grpo_target", {})
+    grpo_final = trajectories_of(root, "grpo_target")
+    if "grpo_target" in baselines and grpo_final is not None and base is not None:
+        # GRPO on the target: one adapter on every task, at each of its snapshots too
+        n, _ = inputs.adapter_budget(root, "grpo_target", baseline=True)
+        g_points = budget_points({"grpo_target": find_snapshots(baselines["grpo_target"])}, {"grpo_target": n},
+                                 0, cfg.budgets)
+        g_todo = [p for p in g_points if p["iteration"] not in (0, None)]
+        everyone = {t.task_id: ["grpo_target"] for t in base}
+        by_point = {0: base, None: grpo_final}
+        if g_todo:
+            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress))
+        for p in g_points:
+            rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["iteration"]], "",
+                                  ecfg.n_boot, ecfg.ci_level, ecfg.seed))
+            if p["iteration"] not in (0, None):
+                written[f"grpo_target@{p['total']}"] = by_point[p["iteration"]]
+    else:
+        rows.append(point_row("GRPO on target", budget["total"], None, None,
+                              grpo.get("reason") or "not evaluated"))
+    gepa = evaluated["methods"].get("gepa", {})
+    gepa_trajs = trajectories_of(root, "gepa")
+    if gepa.get("status") == "run" and gepa_trajs is not None:  # its final prompt, at the rollouts it spent
+        rows.append(point_row("GEPA", int(gepa.get("rollouts") or 0), None, gepa_trajs, "", ecfg.n_boot,
+                              ecfg.ci_level, ecfg.seed))
+    else:
+        rows.append(point_row("GEPA", budget["total"], None, None, gepa.get("reason") or "not evaluated"))
+
+    ablations = ablation_rows(root, cfg, evaluated, params.train.reward.efficiency, ecfg.n_boot, ecfg.seed)
+    for key, trajs in sorted(written.items()):
+        write_jsonl(paths.scaling_episodes(key), trajs)
+    write_jsonl(paths.scaling_points, rows)
+    atomic_write_text(paths.table("scaling"), markdown(scaling_table(rows)))
+    atomic_write_text(paths.table("ablations"), markdown(ablation_table(ablations)))
+    save_figure(scaling_curve(rows, f"{evaluated.get('split', '')} split of {', '.join(evaluated.get('envs', []))}"),
+                paths.figure("scaling"))
+    metrics = {"points": rows, "ablations": ablations, "trace_budget": budget,
+               "decoded_points": len(todo) if base is not None and decisions is not None else 0,
+               "seconds": round(time.perf_counter() - t0, 1)}
+    write_json(paths.metrics("scaling"), metrics)
+    return metrics
+
+
+def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
+                   base: Sequence[Trajectory], progress: bool) -> dict[int, list[Trajectory]]:
+    """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots
+    (base episodes reused for tasks sent to no adapter)."""
+    ecfg = params.evaluate
+    adapters = {snapshot_name(p, c): str(s.path) for p in todo for c, s in p["adapters"].items()}
+    policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype, threads=params.rollout.threads,
+                         adapters=adapters)
+    rcfg = eval_rollout_config(params.rollout, ecfg)
+    targets = eval_targets(params.env, ecfg, root)
+    memo: dict | None = None
+    if rcfg.temperature == 0:  # tasks the router sends to 'none' run as the base model did
+        memo = {}
+        for env_cfg, tasks in targets:
+            ids = {t.id for t in tasks}
+            for t in base:
+                if t.task_id in ids:
+                    memo.setdefault((env_cfg.name, (), t.task_id), []).append(t)
+    out = {}
+    for p in todo:
+        routing = point_routing(choices, p)
+        trajs: list[Trajectory] = []
+        for env_cfg, tasks in targets:
+            trajs += evaluate_policy(policy, tasks, lambda e=env_cfg: make_env(e), rcfg, ecfg.seed,
+                                     {t.id: routing.get(t.id, {}) for t in tasks}, progress, memo, env_cfg.name)
+        out[p["iteration"]] = trajs
+    return out

@@ -1,0 +1,127 @@
+"""Stage `train`: one LoRA adapter per validated synthetic environment, then the baselines (paper §3.3, §4).
+
+Reads params.yaml (`model`, `env`, `rollout`, `synthesize`, `train`), the prepared model folder
+(`model.out_dir` under `root`), the validated synthetic environments (`data/envs/manifests.jsonl` and
+each `env.py`, served by a sandbox process) and the synthesize stage's band-check ledger
+(`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
+
+    data/adapters/<capability>/          one adapter per environment (`trace_lib.training.trainer`
+                                         lists the folder: PEFT weights, train_log.jsonl, timing.json,
+                                         manifest.json, snapshots/)
+    data/adapters/_baselines/<name>/     `train.baselines` at TRACE's total rollout budget: grpo_target
+                                         (GRPO on the target's train tasks), merged_data (one adapter on
+                                         the mixture of every synthetic environment)
+    data/adapters/manifests.jsonl        every AdapterManifest of this run
+    data/train/[_baselines/]<name>/rollouts.jsonl
+                                         each adapter's rollout ledger
+    reports/train/<name>.csv             each adapter's curves under TRL's metric names (dvc plots)
+    reports/metrics/train.json           backend, rollouts / iterations / final reward per adapter,
+                                         TRACE's budget, skipped baselines
+
+The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from trace_lib.config import Params
+from trace_lib.envs import load_tasks, make_env
+from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.evaluation.inputs import trace_budget
+from trace_lib.io import write_json, write_jsonl
+from trace_lib.paths import Paths
+from trace_lib.plots.train import write_train_csvs
+from trace_lib.records import AdapterManifest
+from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
+from trace_lib.synth.synthesize import valid_envs
+from trace_lib.training.budget import RolloutLedger
+from trace_lib.training.grpo import TrainSource
+from trace_lib.training.trainer import (
+    read_train_log,
+    resolve_train_backend,
+    train_adapter_mixture,
+)
+
+
+def _sandbox_limits(params: Params) -> SandboxLimits:
+    v = params.synthesize.validation
+    # The validation CPU limit is a lifetime limit for a short check; a worker serving a whole training
+    # run spends more, so it gets an hour (wall-time per request and memory stay as validated).
+    return SandboxLimits(timeout_s=v.timeout_s, cpu_s=max(v.cpu_s, 3600), memory_mb=v.memory_mb)
+
+
+def _target_source(params: Params, root: Path) -> TrainSource:
+    """The target environment's train tasks as a training source (the 'GRPO on target' baseline)."""
+    tasks = load_tasks(params.env, params.rollout.split, root)
+    if not tasks:
+        raise ValueError(f"the target {params.env.name!r} has no {params.rollout.split!r} tasks to train on")
+    return TrainSource("target", lambda: make_env(params.env),
+                       lambda seeds: [tasks[s % len(tasks)] for s in seeds])
+
+
+def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weight: float = 1.0) -> TrainSource:
+    """A validated synthetic environment (served by the sandbox `box`) as a training source."""
+    return TrainSource(capability,
+                       lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode),
+                       lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train"),
+                       weight)
+
+
+def _fresh_ledger(path: Path, out_dir: Path, name: str) -> RolloutLedger:
+    """The adapter's ledger: kept when a checkpoint will resume the run, else started empty (a rerun
+    of the stage trains from scratch and must not count the previous run's rollouts)."""
+    if not (out_dir.parent / f".{name}.ckpt").is_dir():
+        path.unlink(missing_ok=True)
+    return RolloutLedger(path)
+
+
+def run_train(params: Params, root: Path = Path("."), *, progress: bool = False) -> dict[str, Any]:
+    """The whole stage (see the module docstring); returns the metrics written to train.json."""
+    paths = Paths(root)
+    model_dir = root / params.model.out_dir
+    cfg = params.train
+    envs = valid_envs(root)
+    manifests: list[AdapterManifest] = []
+    with ExitStack() as stack:
+        boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, _sandbox_limits(params)))
+                 for m in envs}
+        for m in envs:
+            source = _synthetic_source(boxes[m.capability_id], m.capability_id, params)
+            out_dir = paths.adapter(m.capability_id)
+            manifests.append(train_adapter_mixture(
+                model_dir, [source], cfg, out_dir, seed=params.seed,
+                ledger=_fresh_ledger(paths.train_ledger(m.capability_id), out_dir, m.capability_id),
+                name=m.capability_id, progress=progress, env_sha256=m.sha256))
+        budget = trace_budget(root, [m.capability_id for m in envs])["total"] if envs else 0
+        per_iter = cfg.groups * cfg.group_size
+        baselines = {"grpo_target": lambda: [_target_source(params, root)],
+                     "merged_data": lambda: [_synthetic_source(boxes[m.capability_id], m.capability_id, params,
+                                                               cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
+        skipped: dict[str, str] = {}
+        for name in cfg.baselines:
+            if name == "merged_data" and len(envs) < 2:
+                skipped[name] = f"needs two or more synthetic environments, have {len(envs)}"
+                continue
+            if budget < per_iter:
+                skipped[name] = f"TRACE spent {budget} rollouts, less than one iteration ({per_iter})"
+                continue
+            bcfg = cfg.model_copy(update={"rollout_budget": budget, "iterations": budget // per_iter})
+            out_dir = paths.adapter(name, baseline=True)
+            manifests.append(train_adapter_mixture(
+                model_dir, baselines[name](), bcfg, out_dir, seed=params.seed,
+                ledger=_fresh_ledger(paths.train_ledger(name, baseline=True), out_dir, name), name=name,
+                progress=progress))
+    write_jsonl(paths.adapter_manifests, manifests)
+    write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths.train_logs)
+    metrics = {
+        "backend": resolve_train_backend(cfg.backend),
+        "adapters": {m.capability_id: {"rollouts": m.rollouts_used, "iterations": m.iterations,
+                                       "final_reward": m.final_reward} for m in manifests},
+        "trace_budget": budget, "baselines_skipped": skipped,
+        "note": "no validated environments: no adapters trained" if not envs else "",
+    }
+    write_json(paths.metrics("train"), metrics)
+    return metrics
