@@ -53,6 +53,19 @@ def test_every_stage_depends_on_the_profile_and_seed(stage: str):
     assert "params.yaml" in params or {"profile", "seed"} <= set(params), params
 
 
+def test_every_param_a_stage_names_is_in_params_yaml():
+    """dvc tracks params.yaml keys only; a key the profile sets but the file lacks stops `dvc repro`."""
+    written = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    for stage, spec in DVC.items():
+        for key in _entries(spec.get("params", [])):
+            if key == "params.yaml":
+                continue
+            node = written
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"{stage}: params.yaml has no {key!r}"
+                node = node[part]
+
+
 def test_closure_follows_function_level_imports_and_module_strings():
     found = imports_in_source("def f():\n    from trace_lib.agent import policy\n"
                               "cmd = ['-m', 'trace_lib.synth.worker']\n", "")

@@ -313,26 +313,6 @@ class RetrievalIndex:
         return self.search([opening], k, among)[0]
 
 
-def retrieval_items(trajectories: Iterable[Trajectory], capability_of: Callable[[Trajectory], str | None]
-                    ) -> list[tuple[str, str]]:
-    """(capability, opening) of each successful trajectory that `capability_of` assigns to one."""
-    out = []
-    for t in trajectories:
-        cap = capability_of(t) if t.success else None
-        if cap:
-            out.append((cap, task_opening(t.messages)))
-    return out
-
-
-def candidates_for(opening: str, index: RetrievalIndex | None, k: int | None,
-                   all_candidates: Sequence[RouteCandidate]) -> list[RouteCandidate]:
-    """The candidates retrieval offers for a task (all of them without an index or k)."""
-    if index is None or k is None:
-        return list(all_candidates)
-    by_id = {c.capability_id: c for c in all_candidates}
-    return [by_id[c] for c in index.top_k(opening, k, among=by_id)]
-
-
 # --- routing -----------------------------------------------------------------------------------------
 def route_tasks(policy: Any, openings: Sequence[str], candidates: Sequence[RouteCandidate],
                 mode: RouteMode = "argmax", top_p: float = 0.9, index: RetrievalIndex | None = None,
