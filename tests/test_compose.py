@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from trace_lib.agent.policy import load_policy
-from trace_lib.records import Message
+from trace_lib.records import Message, RouteDecision
 from trace_lib.routing.compose import (
     apply_route,
     is_merged,
@@ -18,7 +18,7 @@ from trace_lib.routing.compose import (
     use_adapter,
     use_weights,
 )
-from trace_lib.routing.route import RouteDecision, label_probabilities, route_labels
+from trace_lib.routing.route import label_probabilities, route_labels
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

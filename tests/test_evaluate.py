@@ -33,9 +33,16 @@ from trace_lib.evaluation.tables import (
 )
 from trace_lib.io import write_json
 from trace_lib.paths import Paths
-from trace_lib.records import AdapterManifest, Message, Task, Trajectory, UserScenario
+from trace_lib.records import (
+    AdapterManifest,
+    Message,
+    RouteDecision,
+    Task,
+    Trajectory,
+    UserScenario,
+)
 from trace_lib.routing.compose import merge_label
-from trace_lib.routing.route import RouteCandidate, RouteDecision
+from trace_lib.routing.route import RouteCandidate
 from trace_lib.training.budget import RolloutLedger
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)

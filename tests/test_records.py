@@ -5,8 +5,8 @@ from pydantic import ValidationError
 
 from trace_lib.io import read_jsonl, write_json, read_json, write_jsonl
 from trace_lib.records import (
-    AdapterManifest, Capability, CapabilityScore, EvalResult, Label, Message, SyntheticEnvManifest,
-    Task, ToolCall, Trajectory, UserScenario,
+    AdapterManifest, Capability, CapabilityScore, Check, EvalResult, Label, Message, RouteDecision,
+    SyntheticEnvManifest, Task, ToolCall, Trajectory, UserScenario, ValidationReport,
 )
 
 
@@ -53,6 +53,11 @@ SAMPLES = [
                     backend="trl", rollouts_used=64, iterations=4),
     EvalResult(method="base", env="retail", split="test", n=10, successes=3, success_rate=0.3,
                ci_low=0.1, ci_high=0.6),
+    ValidationReport(valid=False, checks=[Check(name="interface", ok=True), Check(name="reference_solves", ok=False,
+                                                                                  detail="0/8")],
+                     failed="reference_solves", capability="c"),
+    RouteDecision(task_id="t", mode="top_p", candidates=["a", "b"], labels=[" A", " B", " C"],
+                  probs=[0.5, 0.3, 0.2], label_mass=0.9, weights={"a": 0.5, "b": 0.3}),
 ]
 
 

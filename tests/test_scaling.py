@@ -21,8 +21,7 @@ from trace_lib.evaluation.scaling import (
     scaling_table,
 )
 from trace_lib.io import write_json, write_jsonl
-from trace_lib.records import AdapterManifest
-from trace_lib.routing.route import RouteDecision
+from trace_lib.records import AdapterManifest, RouteDecision
 
 
 def snap(cap: str, k: int, n: int) -> Snapshot:

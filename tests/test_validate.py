@@ -26,9 +26,9 @@ from trace_lib.envs.synthetic import (
     trl_reward,
     trl_rows,
 )
-from trace_lib.records import Message, ToolCall
+from trace_lib.records import Message, ToolCall, ValidationReport
 from trace_lib.synth.sandbox import SandboxError, SandboxProcess, limits_from_config
-from trace_lib.synth.validate import ValidationReport, action_message, first_difference, validate_env
+from trace_lib.synth.validate import action_message, first_difference, validate_env
 
 FIXTURES = Path(__file__).parent / "synth_fixtures"
 TARGET = EnvConfig(name="retail", tools="core")

@@ -11,6 +11,8 @@ instead of being half-read. Records forbid unknown fields for the same reason.
     Label             PRESENT / LACKING / NA for one trajectory x capability
     CapabilityScore   N±, E±, ER±, Δ, coverage, CI and the keep decision
     SyntheticEnvManifest, AdapterManifest, EvalResult   outputs of synthesis, training, evaluation
+    Check, ValidationReport   the sandboxed verdict on one synthesized module (in its manifest)
+    RouteDecision     what the router decided for one task (evaluate writes them, scaling reads them)
 """
 
 from __future__ import annotations
@@ -190,3 +192,57 @@ class EvalResult(Record):
     mean_tool_calls: float | None = None
     invalid_action_rate: float | None = None
     by_group: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+
+class Check(BaseModel):
+    """One named validation check and its verdict."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+class ValidationReport(BaseModel):
+    """The verdict on one module: every check run, in order, and the first that failed."""
+
+    model_config = ConfigDict(extra="forbid")
+    valid: bool
+    checks: list[Check]
+    failed: str | None = None
+    capability: str | None = None
+
+
+RouteMode = Literal["argmax", "top_p"]
+
+
+class RouteDecision(BaseModel):
+    """What the router decided for one task, with the evidence (stored next to eval trajectories)."""
+
+    model_config = ConfigDict(extra="forbid")
+    task_id: str = ""
+    mode: RouteMode
+    candidates: list[str]
+    """Capability ids in label order (after retrieval, if any)."""
+    labels: list[str]
+    """One per candidate, then the none-label."""
+    probs: list[float]
+    """Softmax over the label tokens' logits, aligned with `labels` (sums to 1)."""
+    label_mass: float | None = None
+    """Full-vocabulary probability of the label tokens: how well the model kept to the format."""
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Adapter -> α. Empty: base model; {c: 1.0}: adapter c alone; otherwise a weighted merge."""
+
+    @property
+    def base_weight(self) -> float:
+        """The base model's share (the none-label's mass when kept): 1 − Σ α."""
+        return max(0.0, 1.0 - sum(self.weights.values()))
+
+    @property
+    def adapter(self) -> str | None:
+        """The single adapter when the decision is one adapter at full weight, else None."""
+        if len(self.weights) == 1:
+            (name, w), = self.weights.items()
+            if w == 1.0:
+                return name
+        return None

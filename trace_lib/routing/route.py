@@ -32,24 +32,30 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import nullcontext
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from trace_lib.agent.chat import render_prompt
 from trace_lib.analyst.embed import embed_texts
 from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_message
 from trace_lib.capabilities import ORACLE_PRIORITY
-from trace_lib.records import Capability, Message, Task, Trajectory
+from trace_lib.records import (
+    Capability,
+    Message,
+    RouteDecision,
+    RouteMode,
+    Task,
+    Trajectory,
+)
 from trace_lib.routing.compose import is_merged
 
 ANSWER_PREFIX = "Answer:"
 """Pre-filled at the start of the assistant turn; the next token is the label."""
 NONE_NAME = "none"
-RouteMode = Literal["argmax", "top_p"]
 
 # --- records ------------------------------------------------------------------------------------
 class RouteCandidate(BaseModel):
@@ -61,38 +67,6 @@ class RouteCandidate(BaseModel):
     description: str
     example: str = ""
     """A solved trajectory where the capability was exercised correctly, rendered and clipped."""
-
-
-class RouteDecision(BaseModel):
-    """What the router decided for one task, with the evidence (stored next to eval trajectories)."""
-
-    model_config = ConfigDict(extra="forbid")
-    task_id: str = ""
-    mode: RouteMode
-    candidates: list[str]
-    """Capability ids in label order (after retrieval, if any)."""
-    labels: list[str]
-    """One per candidate, then the none-label."""
-    probs: list[float]
-    """Softmax over the label tokens' logits, aligned with `labels` (sums to 1)."""
-    label_mass: float | None = None
-    """Full-vocabulary probability of the label tokens: how well the model kept to the format."""
-    weights: dict[str, float] = Field(default_factory=dict)
-    """Adapter -> α. Empty: base model; {c: 1.0}: adapter c alone; otherwise a weighted merge."""
-
-    @property
-    def base_weight(self) -> float:
-        """The base model's share (the none-label's mass when kept): 1 − Σ α."""
-        return max(0.0, 1.0 - sum(self.weights.values()))
-
-    @property
-    def adapter(self) -> str | None:
-        """The single adapter when the decision is one adapter at full weight, else None."""
-        if len(self.weights) == 1:
-            (name, w), = self.weights.items()
-            if w == 1.0:
-                return name
-        return None
 
 
 # --- labels and prompt ----------------------------------------------------------------------------

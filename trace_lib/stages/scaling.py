@@ -65,8 +65,7 @@ from trace_lib.io import (
 from trace_lib.paths import Paths
 from trace_lib.plots import save_figure
 from trace_lib.plots.evaluate import scaling_curve
-from trace_lib.records import Trajectory
-from trace_lib.routing.route import RouteDecision
+from trace_lib.records import RouteDecision, Trajectory
 
 
 def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:

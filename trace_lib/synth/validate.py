@@ -35,33 +35,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from trace_lib.config import EnvConfig, RolloutConfig, ValidationConfig
-from trace_lib.envs.synthetic import SyntheticEnv, TaskFormatError, target_env, task_from_dict, task_payload
-from trace_lib.records import Message, Task, ToolCall
-from trace_lib.synth.sandbox import SandboxError, SandboxProcess, check_source, limits_from_config
+from trace_lib.envs.synthetic import (
+    SyntheticEnv,
+    TaskFormatError,
+    target_env,
+    task_from_dict,
+    task_payload,
+)
+from trace_lib.records import Check, Message, Task, ToolCall, ValidationReport
+from trace_lib.synth.sandbox import (
+    SandboxError,
+    SandboxProcess,
+    check_source,
+    limits_from_config,
+)
 
 VALIDATION_SPLIT = "validate"
 DO_NOTHING_TEXT = "I cannot help with that."
 RANDOM_STEPS = 3
-
-
-class Check(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    ok: bool
-    detail: str = ""
-
-
-class ValidationReport(BaseModel):
-    """The verdict on one module: every check run, in order, and the first that failed."""
-
-    model_config = ConfigDict(extra="forbid")
-    valid: bool
-    checks: list[Check]
-    failed: str | None = None
-    capability: str | None = None
 
 
 class CheckFailed(Exception):
@@ -328,8 +320,8 @@ def _random_fails(run: _Run) -> str:
 
 
 def _band(run: _Run, policy: Any, ledger: Any, rollout_cfg: RolloutConfig | None) -> str:
-    from trace_lib.envs.synthetic import synthetic_tasks
     from trace_lib.agent.rollout import collect_rollouts
+    from trace_lib.envs.synthetic import synthetic_tasks
 
     cfg = run.cfg
     have = {t.seed: t for t in run.tasks}

@@ -1,8 +1,8 @@
 """Training rewards: the environment's 0/1, or the efficiency-aware trajectory reward.
 
 Reads nothing and writes nothing; the GRPO trainer (training/trainer.py) calls it once per finished
-episode and once per epoch. Implements the efficiency reward carried in the same package as
-TRACE (DESIGN.md, "A second idea"):
+episode and once per epoch. Implements the efficiency-aware trajectory reward, the second idea this
+package carries next to TRACE (a reward option of the trainer, not a separate pipeline):
 
     R = R+ - λ·max(0, tool_calls - l_t)    for a correct trajectory
     R = R-                                 for a wrong one
