@@ -324,10 +324,10 @@ class GoldPolicy:
 
 def test_rollout_stage_runs_tau2_tasks():
     from trace_lib.config import RolloutConfig
-    from trace_lib.agent.rollout import collect_rollouts, select_tasks
+    from trace_lib.agent.rollout import collect_rollouts
 
     env_cfg = cfg("retail")
-    chosen = select_tasks(env_cfg, RolloutConfig(split="test", max_tasks=3))
+    chosen = make_tasks(env_cfg, "test")[:3]
     assert [t.split for t in chosen] == ["test"] * 3
     trajs, _ = collect_rollouts(GoldPolicy(chosen), lambda: make_env(env_cfg), chosen,
                                 RolloutConfig(samples_per_task=1, batch_size=2), seed=0, progress=False)

@@ -20,8 +20,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from trace_lib.config import EnvConfig, RolloutConfig
-from trace_lib.envs import make_tasks
+from trace_lib.config import RolloutConfig
 from trace_lib.envs.base import Environment, EpisodeState
 from trace_lib.records import Message, Task, Trajectory
 from trace_lib.stats import wilson_interval
@@ -173,8 +172,3 @@ def summarize(trajectories: Sequence[Trajectory], group_by: str = "family") -> d
         "terminations": dict(sorted(Counter(t.termination for t in trajectories).items())),
         f"by_{group_by}": {g: _rate(sum(t.success for t in ts), len(ts)) for g, ts in sorted(groups.items())},
     }
-
-
-def select_tasks(env_cfg: EnvConfig, cfg: RolloutConfig) -> list[Task]:
-    tasks = make_tasks(env_cfg, cfg.split)
-    return tasks[: cfg.max_tasks] if cfg.max_tasks else tasks

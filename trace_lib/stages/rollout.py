@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.rollout import collect_rollouts, select_tasks, summarize
+from trace_lib.agent.rollout import collect_rollouts, summarize
 from trace_lib.config import Params
 from trace_lib.envs import make_env, make_tasks, task_split
 from trace_lib.io import write_json, write_jsonl
@@ -29,13 +29,15 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
         raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
                                 "(dvc repro prepare_model)")
     paths = Paths(root)
-    for split in sorted({params.rollout.split, task_split(params.env.name, params.evaluate.split)}):
-        write_jsonl(paths.tasks(split), make_tasks(params.env, split))
+    by_split = {s: make_tasks(params.env, s)
+                for s in sorted({params.rollout.split, task_split(params.env.name, params.evaluate.split)})}
+    for split, split_tasks in by_split.items():
+        write_jsonl(paths.tasks(split), split_tasks)
     if params.rollout.threads:
         import torch
 
         torch.set_num_threads(params.rollout.threads)
-    tasks = select_tasks(params.env, params.rollout)
+    tasks = by_split[params.rollout.split][: params.rollout.max_tasks]
     if not tasks:
         raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")
     policy = load_policy(model_dir, dtype=params.model.dtype)
