@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from trace_lib.agent.kvcache import BufferedLayer, cascade_attention, shared_prefix
+from trace_lib.agent.kvcache import MATMUL_MAX_QUERIES, BufferedLayer, cascade_attention, shared_prefix
 
 
 class _Layer:
@@ -14,11 +14,12 @@ class _Layer:
     num_key_value_groups = 2  # read by transformers' sdpa path
 
 
-@pytest.mark.parametrize("lq", [1, 4])
+@pytest.mark.parametrize("lq", [1, 4, MATMUL_MAX_QUERIES + 4])  # matrix products, and the flash kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cascade_equals_attention_over_the_concatenation(lq, dtype):
     torch.manual_seed(0)
-    b, h, hkv, plen, s, d = 3, 6, 2, 7, 5, 16
+    b, h, hkv, plen, d = 3, 6, 2, 7, 16
+    s = lq + 4
     q = torch.randn(b, h, lq, d, dtype=dtype)
     pk, pv = torch.randn(1, hkv, plen, d, dtype=dtype), torch.randn(1, hkv, plen, d, dtype=dtype)
     k, v = torch.randn(b, hkv, s, d, dtype=dtype), torch.randn(b, hkv, s, d, dtype=dtype)
@@ -44,6 +45,22 @@ def test_without_a_shared_prefix_it_is_plain_sdpa():
     out, _ = cascade_attention(_Layer(), q, k, v, None, scaling=8**-0.5, is_causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
     assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
+
+
+@pytest.mark.parametrize("lq", [1, 3, MATMUL_MAX_QUERIES + 2])
+def test_cascade_without_a_mask_is_causal_over_the_suffix(lq):
+    torch.manual_seed(2)
+    b, h, hkv, plen, s, d = 2, 4, 2, 5, lq + 3, 8
+    q = torch.randn(b, h, lq, d)
+    pk, pv = torch.randn(1, hkv, plen, d), torch.randn(1, hkv, plen, d)
+    k, v = torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    with shared_prefix([(pk, pv)]):
+        out, _ = cascade_attention(_Layer(), q, k, v, None, scaling=d**-0.5)
+    mask = torch.ones(lq, plen + s, dtype=torch.bool).tril(plen + s - lq)
+    keys = repeat_kv(torch.cat([pk.expand(b, -1, -1, -1), k], 2), h // hkv)
+    values = repeat_kv(torch.cat([pv.expand(b, -1, -1, -1), v], 2), h // hkv)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d**-0.5)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
 
 
 def test_buffered_layer_grows_selects_and_reports_offset():

@@ -192,3 +192,46 @@ def test_lora_adapters_switch(tiny_model_dir, tmp_path):
     assert texts(pol.generate(convs(2), TOOLS, **kwargs)) != base_out
     pol.set_adapter(None)
     assert texts(pol.generate(convs(2), TOOLS, **kwargs)) == base_out
+
+
+@pytest.mark.parametrize("impl", ["cascade", "sdpa"])
+def test_sessions_reuse_each_episodes_kv_and_match_a_fresh_prefill(tiny_model_dir, impl):
+    pol = load_policy(tiny_model_dir, attn_implementation=impl)
+    pol.stop_ids = [-1]  # every row decodes the full budget, so turns have their full length
+    keys = [("task", i) for i in range(3)]
+
+    def play(sessions):
+        conversations = convs(3)
+        outs = []
+        for turn in range(3):
+            n = 3 if turn < 2 else 2  # episode 2 ends after two turns; the others go on in a smaller batch
+            gens = pol.generate(conversations[:n], TOOLS, temperature=0.0, max_new_tokens=6, seed=turn,
+                                sessions=sessions[:n] if sessions else None)
+            outs.append(texts(gens))
+            for conv, g in zip(conversations, gens):
+                conv += [Message(role="assistant", content=g.text), Message(role="user", content=f"turn {turn}")]
+        return outs
+
+    pol.clear_prefix_cache()
+    fresh = play(None)
+    before = pol.stats.cached_prompt_tokens
+    kept = play(keys)
+    assert kept == fresh
+    assert pol.stats.cached_prompt_tokens - before > 0  # later turns reused the rows' own KV states
+    assert set(pol._sessions) == set(keys)
+    pol.end_sessions(keys)
+    assert not pol._sessions
+
+
+def test_a_session_is_reused_only_as_far_as_the_prompt_repeats_it(policy):
+    conv = convs(1)[0]
+    policy.clear_prefix_cache()
+    first = policy.generate([conv], TOOLS, temperature=0.0, max_new_tokens=5, seed=0, sessions=["e"])
+    # the next prompt rewrites the agent's turn: only the tokens before it can be reused
+    edited = [*conv, Message(role="assistant", content="something else"), Message(role="user", content="ok")]
+    again = policy.generate([edited], TOOLS, temperature=0.0, max_new_tokens=5, seed=0, sessions=["e"])
+    policy.clear_prefix_cache()
+    ref = policy.generate([edited], TOOLS, temperature=0.0, max_new_tokens=5, seed=0)
+    assert first and texts(again) == texts(ref)
+    with pytest.raises(ValueError, match="2 session keys for 1 prompts"):
+        policy.generate([conv], TOOLS, temperature=0.0, max_new_tokens=2, seed=0, sessions=["a", "b"])

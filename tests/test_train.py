@@ -67,7 +67,8 @@ class ScriptedPolicy(Policy):
     seen: list[list[list[int]]]
     """The prompts of every call (set by tests that look at what the agent read)."""
 
-    def generate_ids(self, prompts, *, temperature, top_p, max_new_tokens, seed, processor=None, use_prefix_cache=None):
+    def generate_ids(self, prompts, *, temperature, top_p, max_new_tokens, seed, processor=None, use_prefix_cache=None,
+                     sessions=None):
         if hasattr(self, "seen"):
             self.seen.append(prompts)
         outs = []

@@ -14,6 +14,10 @@ chosen adapter or none).
   attention mask zero there and position ids from the mask's cumsum, which is exactly the
   unpadded computation. With the default `cascade` attention (kvcache.py) the prefix is never
   copied into the rows; with other attention implementations it is;
+* per-episode KV caches across turns (`sessions`): a row's keys and values after the shared prefix
+  are kept when its turn ends, and the episode's next turn reuses them up to the first token where
+  the new prompt differs (normally the whole previous prompt and the generated turn), so a turn
+  only prefills what is new (the tool results or user reply);
 * a preallocated KV buffer (no `torch.cat` of the whole cache at every step);
 * finished rows leave the batch, so a batch costs what its live rows cost.
 
@@ -27,6 +31,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +46,8 @@ from trace_lib.records import Message
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_PREFIX_TOKENS = 16
 """Shorter shared prefixes are not worth a separate forward pass."""
+MAX_SESSIONS = 256
+"""Episodes whose KV states are kept between turns (~23 KB per token each for SmolLM2-135M in bf16)."""
 
 
 @dataclass
@@ -109,6 +116,7 @@ class Policy:
         self.grammar_options: dict[str, Any] = {}
         """Extra options for constrained decoding (see grammar.tool_turn_grammar)."""
         self._prefixes: dict[tuple[str | None, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._sessions: dict[Hashable, _Session] = {}
         self.stop_ids = _stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self._turn_end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -131,8 +139,14 @@ class Policy:
         return self.base_id if self.adapter is None else f"{self.base_id}+{self.adapter}"
 
     def clear_prefix_cache(self) -> None:
-        """Drop the cached prefix KV states; call after the weights change (e.g. a training step)."""
+        """Drop the cached prefix and session KV states; call after the weights change (a training step)."""
         self._prefixes.clear()
+        self._sessions.clear()
+
+    def end_sessions(self, keys: Sequence[Hashable]) -> None:
+        """Forget the KV states kept for these episodes (they have ended)."""
+        for key in keys:
+            self._sessions.pop(key, None)
 
     def _adapter_context(self):
         if self.adapter is None and self.adapters:
@@ -162,11 +176,14 @@ class Policy:
         seed: int = 0,
         constrained: bool = False,
         require_tool_call: bool | list[bool] = False,
+        sessions: Sequence[Hashable] | None = None,
     ) -> list[Generation]:
         """One agent turn for each conversation, decoded as one batch.
 
         With `constrained`, `require_tool_call` (one flag, or one per conversation) forbids a plain
-        message on those rows, like `tool_choice="required"` in chat APIs.
+        message on those rows, like `tool_choice="required"` in chat APIs. `sessions` (one key per
+        conversation, e.g. the episode id) keeps each row's KV states for its next turn; call
+        `end_sessions` when the episodes end.
         """
         if not conversations:
             return []
@@ -185,7 +202,7 @@ class Policy:
             )
         tokens, finish = self.generate_ids(
             prompts, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-            seed=seed, processor=processor,
+            seed=seed, processor=processor, sessions=sessions,
         )
         out = []
         for conv, prompt, toks, why in zip(conversations, prompts, tokens, finish):
@@ -208,8 +225,15 @@ class Policy:
         seed: int,
         processor: Any = None,
         use_prefix_cache: bool | None = None,
+        sessions: Sequence[Hashable] | None = None,
     ) -> tuple[list[list[int]], list[str]]:
-        """Token-level batched decoding; returns each row's new tokens (stop token included) and finish reason."""
+        """Token-level batched decoding; returns each row's new tokens (stop token included) and finish reason.
+
+        `sessions`: one key per prompt; each row's KV states are kept under its key after this call
+        and reused by the next call with the same key, as far as the new prompt repeats the old one.
+        """
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} session keys for {len(prompts)} prompts")
         torch.manual_seed(seed)
         t0 = time.perf_counter()
         use_prefix = self.prefix_cache if use_prefix_cache is None else use_prefix_cache
@@ -218,11 +242,44 @@ class Policy:
         cascade = prefix_kv is not None and supports_cascade(self.model)
         with self._adapter_context(), shared_prefix(prefix_kv if cascade else None):
             return self._decode(prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens,
-                                seed, processor, t0)
+                                seed, processor, t0, sessions)
+
+    def _reusable(self, prompts: list[list[int]], prefix_len: int, sessions: Sequence[Hashable] | None
+                  ) -> list[_Session | None]:
+        """Per row, the kept session whose tokens the prompt repeats (at least one token left to compute)."""
+        if sessions is None:
+            return [None] * len(prompts)
+        head = (self.adapter, tuple(prompts[0][:prefix_len]))
+        out: list[_Session | None] = []
+        for key, prompt in zip(sessions, prompts):
+            kept = self._sessions.get(key)
+            if kept is None or kept.head != head:
+                out.append(None)
+                continue
+            n = _common_prefix(kept.ids, prompt[prefix_len:], len(prompt) - prefix_len - 1)
+            out.append(kept.cut(n) if n else None)
+        return out
+
+    def _keep(self, key: Hashable, prompt: list[int], prefix_len: int, fed: list[int], cache: Any,
+              mask: torch.Tensor, j: int) -> None:
+        """Store row j's KV states after the shared prefix (its valid positions) under `key`."""
+        valid = mask[j, prefix_len:].bool()
+        kv = []
+        for layer in cache.layers:
+            k, v = layer.keys[j], layer.values[j]  # (hkv, stored, d); stored positions end at the mask's end
+            k, v = k[:, k.shape[1] - valid.numel():], v[:, v.shape[1] - valid.numel():]
+            kv.append((k[:, valid], v[:, valid]))
+        ids = prompt[prefix_len:] + fed
+        assert kv[0][0].shape[1] == len(ids), (kv[0][0].shape, len(ids))
+        self._sessions.pop(key, None)
+        self._sessions[key] = _Session((self.adapter, tuple(prompt[:prefix_len])), ids, kv)
+        while len(self._sessions) > MAX_SESSIONS:  # the oldest first
+            self._sessions.pop(next(iter(self._sessions)))
 
     def _decode(self, prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens, seed,
-                processor, t0):
-        logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade)
+                processor, t0, sessions=None):
+        reused = self._reusable(prompts, prefix_len, sessions)
+        logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade, reused)
         t1 = time.perf_counter()
 
         n = len(prompts)
@@ -246,6 +303,10 @@ class Policy:
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             if bool(done.any()):
+                if sessions is not None:
+                    for j in done.nonzero().flatten().tolist():
+                        self._keep(sessions[rows[j]], prompts[rows[j]], prefix_len, outs[rows[j]][:-1], cache,
+                                   mask, j)
                 keep = (~done).nonzero().flatten()
                 rows = [rows[j] for j in keep.tolist()]
                 gens = [gens[j] for j in keep.tolist()]
@@ -261,11 +322,14 @@ class Policy:
             )
             positions = positions + 1
             logits = out.logits[:, -1, :].float()
+        if sessions is not None:
+            for j, r in enumerate(rows):
+                self._keep(sessions[r], prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
         t2 = time.perf_counter()
         self.stats.calls += 1
         self.stats.sequences += n
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        self.stats.cached_prompt_tokens += prefix_len * n
+        self.stats.cached_prompt_tokens += prefix_len * n + sum(len(r.ids) for r in reused if r is not None)
         self.stats.completion_tokens += sum(len(o) for o in outs)
         self.stats.prefill_seconds += t1 - t0
         self.stats.decode_seconds += t2 - t1
@@ -296,30 +360,69 @@ class Policy:
         self._prefixes[(self.adapter, ids)] = kv
         return lcp, kv
 
-    def _prefill(self, prompts, prefix_len, prefix_kv, max_new_tokens, cascade=False):
-        """Run the prompts' uncached parts; returns last-token logits, the cache and the 2D mask."""
+    def _prefill(self, prompts, prefix_len, prefix_kv, max_new_tokens, cascade=False, reused=None):
+        """Run the prompts' uncached parts; returns last-token logits, the cache and the 2D mask.
+
+        Row layout along the sequence: [shared prefix | pad, reused session KV | pad, new tokens];
+        the mask is zero on the pads and position ids come from its cumsum.
+        """
         n = len(prompts)
-        suffixes = [p[prefix_len:] for p in prompts]
-        width = max(len(s) for s in suffixes)
+        reused = reused or [None] * n
+        kept = [0 if r is None else len(r.ids) for r in reused]
+        suffixes = [p[prefix_len + k:] for p, k in zip(prompts, kept)]
+        width, held = max(len(s) for s in suffixes), max(kept)
+        start = prefix_len + held  # first column of the new tokens' block
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(n, prefix_len + width, dtype=torch.long)
+        mask = torch.zeros(n, start + width, dtype=torch.long)
         mask[:, :prefix_len] = 1
-        for i, s in enumerate(suffixes):
+        for i, (s, k) in enumerate(zip(suffixes, kept)):
             ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, prefix_len + width - len(s):] = 1
+            mask[i, start - k:start] = 1
+            mask[i, start + width - len(s):] = 1
         if cascade:  # the prefix stays shared (kvcache.cascade_attention), rows hold their suffix only
-            cache = new_cache(self.model, width + max_new_tokens, offset=prefix_len)
+            cache = new_cache(self.model, held + width + max_new_tokens, offset=prefix_len)
         else:
-            cache = new_cache(self.model, prefix_len + width + max_new_tokens)
+            cache = new_cache(self.model, start + width + max_new_tokens)
         if prefix_kv is not None and not cascade:
             for layer_idx, (k, v) in enumerate(prefix_kv):
                 cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer_idx)
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)[:, prefix_len:]
+        if held:
+            for layer_idx, (k0, v0) in enumerate(next(r for r in reused if r is not None).kv):
+                ks = k0.new_zeros(n, k0.shape[0], held, k0.shape[-1])
+                vs = v0.new_zeros(n, v0.shape[0], held, v0.shape[-1])
+                for i, r in enumerate(reused):
+                    if r is not None:
+                        ks[i, :, held - kept[i]:] = r.kv[layer_idx][0]
+                        vs[i, :, held - kept[i]:] = r.kv[layer_idx][1]
+                cache.update(ks, vs, layer_idx)
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)[:, start:]
         out = self.model(
-            input_ids=ids, attention_mask=_causal_4d(mask, prefix_len) if cascade else mask, position_ids=positions,
+            input_ids=ids, attention_mask=_causal_4d(mask, start) if cascade else mask, position_ids=positions,
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
         return out.logits[:, -1, :].float(), cache, mask
+
+
+@dataclass
+class _Session:
+    """An episode's KV states after the shared prefix, kept between its turns."""
+
+    head: tuple[str | None, tuple[int, ...]]
+    """(adapter, shared prefix tokens) they were computed under."""
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer (kv_heads, len(ids), dim) keys and values."""
+
+    def cut(self, n: int) -> _Session:
+        return _Session(self.head, self.ids[:n], [(k[:, :n], v[:, :n]) for k, v in self.kv])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), max(0, limit))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _causal_4d(mask: torch.Tensor, prefix_len: int) -> torch.Tensor:

@@ -45,6 +45,10 @@ class _Episode:
     completion_tokens: int = 0
 
     @property
+    def key(self) -> tuple[str, int]:
+        return (self.task.id, self.sample)
+
+    @property
     def state(self) -> EpisodeState:
         """The environment's episode state: the conversation so far and its counters."""
         assert self.env.state is not None, "episodes are created right after env.reset()"
@@ -107,10 +111,12 @@ def collect_rollouts(
             live.append(_Episode(task, sample, env))
         tools = live[0].env.tool_schemas()
         g0 = time.perf_counter()
+        keeps_kv = hasattr(policy, "end_sessions")  # the embedded engine keeps each episode's KV across turns
         gens = policy.generate(
             [ep.state.messages for ep in live], tools, temperature=cfg.temperature, top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + call, constrained=cfg.constrained,
             require_tool_call=[must_call(cfg.tool_choice, ep.env) for ep in live],
+            **({"sessions": [ep.key for ep in live]} if keeps_kv else {}),
         )
         timing.generate_seconds += time.perf_counter() - g0
         call += 1
@@ -123,6 +129,8 @@ def collect_rollouts(
             result = ep.env.step(msg)
             if result.done:
                 done.append(_finish(ep, policy.policy_id, seed, adapter))
+                if keeps_kv:
+                    policy.end_sessions([ep.key])
                 bar.update(1)
             else:
                 still.append(ep)

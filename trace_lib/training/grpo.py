@@ -94,6 +94,10 @@ class Episode:
     reward: float = 0.0
     success: bool = False
 
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.source, self.seed, self.sample)
+
     def sampling_ids(self) -> list[int]:
         """What the agent's next turn is sampled from: the sequence, latest tool result in full."""
         cut, full = self.latest
@@ -147,11 +151,13 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
             t0 = time.perf_counter()
             tokens, finish = policy.generate_ids(
                 [ep.sampling_ids() for ep in batch], temperature=cfg.temperature, top_p=1.0,
-                max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62, processor=processor)
+                max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62, processor=processor,
+                sessions=[ep.key for ep in batch])
             gen_s += time.perf_counter() - t0
             call += 1
             for ep, toks, why in zip(batch, tokens, finish, strict=True):
                 _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
+        policy.end_sessions([ep.key for ep in live if ep.env.done])
         live = [ep for ep in live if not ep.env.done]
     return {"generate_seconds": gen_s, "generate_calls": call}
 

@@ -70,6 +70,7 @@ from trace_lib.training.grpo import (
     trajectory_reward,
 )
 from trace_lib.training.rewards import make_reward
+from trace_lib.training.shared_prompt import grouped_logps
 
 STAGE = "train"
 STATE_FILE = "trace_state.json"
@@ -172,17 +173,40 @@ def train_dataset(sources: Sequence[TrainSource], cfg: TrainConfig, seed: int):
 
 # --- TRL hooks --------------------------------------------------------------------------------------
 class AgentGRPOTrainer(GRPOTrainer):
-    """TRL's trainer, minus the forward/backward of episodes whose loss mask is empty.
+    """TRL's trainer, minus the forward/backward of episodes whose loss mask is empty, and (with
+    `shared_prompt`) with each group's prompt computed once (training/shared_prompt.py).
 
     TRL keeps zero-advantage (and fully masked) rows in the batch; they contribute exactly
     nothing, and on CPU they were most of an iteration (~70 s per 2.5k-token episode).
     """
 
+    shared_prompt: bool = False
+    _score_mask: Any = None
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         kept = drop_masked_rows(inputs)
         if kept is None:  # a zero loss still connected to the trainable weights, for backward()
             return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        return super().compute_loss(model, kept, return_outputs, num_items_in_batch)
+        mask = kept["completion_mask"]
+        self._score_mask = mask * kept["tool_mask"] if "tool_mask" in kept else mask
+        try:
+            return super().compute_loss(model, kept, return_outputs, num_items_in_batch)
+        finally:
+            self._score_mask = None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        if not self.shared_prompt or compute_aux_loss or any(v is not None for v in extra.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **extra)
+        score = self._score_mask
+        if score is not None and score.shape != (input_ids.shape[0], logits_to_keep):
+            score = None
+        with self.accelerator.autocast():
+            logps, entropies = grouped_logps(model, input_ids, attention_mask, logits_to_keep, score,
+                                             compute_entropy)
+        return logps, entropies, None
 
 
 class TraceCallback(TrainerCallback):
@@ -330,7 +354,10 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
 def _micro_batch(cfg: TrainConfig) -> int:
     import torch
 
-    auto = cfg.group_size if torch.cuda.is_available() else 1
+    if torch.cuda.is_available():
+        auto = cfg.group_size
+    else:  # with the shared prompt, one pass over the iteration (TRL shuffles rows across micro-batches)
+        auto = cfg.groups * cfg.group_size if cfg.shared_prompt else 1
     micro, per_iter = cfg.micro_batch or auto, cfg.groups * cfg.group_size
     if per_iter % micro:
         raise ValueError(f"train.micro_batch ({micro}) must divide groups x group_size ({per_iter})")
@@ -353,8 +380,9 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
         logging_steps=1, save_strategy="steps", save_steps=cfg.save_every, save_total_limit=2,
         report_to="none", disable_tqdm=not progress, bf16=torch.cuda.is_available(),
         # Multi-turn episodes are long (SmolLM2 on retail: ~1.8k prompt + ~1k completion tokens); without
-        # checkpointing 4 of them took more than 24 GB on CPU.
-        activation_checkpointing=True,
+        # checkpointing 4 of them took more than 24 GB on CPU (fp32, prompt per row). The shared-prompt
+        # pass needs the KV cache, which checkpointing turns off; it scores only the agent's tokens.
+        activation_checkpointing=not cfg.shared_prompt,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, remove_unused_columns=False,
     )
     tok = policy.tokenizer
@@ -362,6 +390,7 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
     trainer = AgentGRPOTrainer(model=policy.model, reward_funcs=[trajectory_reward], args=args,
                                train_dataset=train_dataset(sources, cfg, seed), processing_class=tok,
                                rollout_func=rollout, callbacks=[callback])
+    trainer.shared_prompt = cfg.shared_prompt
     if not progress:  # with tqdm off, HF prints every log dict instead; our log is train_log.jsonl
         trainer.remove_callback(PrinterCallback)
     return trainer
