@@ -7,7 +7,8 @@ tokens per wall-clock second over all episodes (prefill included) and the speed-
 naive loop. Rows:
 
     batched      trace_lib.agent.policy (all episodes in one batch per turn, shared-prefix cascade attention,
-                 KV buffer, finished rows dropped)
+                 KV buffer, finished rows dropped); `-kv`: each episode's KV kept across its turns
+                 (`sessions`, what the rollout stage uses), e.g. `batched-bf16-kv`
     naive        one episode at a time through `model.generate` (DynamicCache)
     llama.cpp    llama-cpp-python on the same GGUF file (Q4_1 weights), one stream
     + variants   bf16; sdpa (prefix KV copied into every row); eager attention; no prefix cache;
@@ -100,12 +101,13 @@ def user_reply(turn: int, episode: int) -> Message:
     return Message(role="user", content=f"Thanks. My zip code is 9{episode:03d}{turn}. What happens next?")
 
 
-def run_batched(policy, episodes: int, turns: int, new_tokens: int) -> tuple[int, float]:
+def run_batched(policy, episodes: int, turns: int, new_tokens: int, sessions: bool = False) -> tuple[int, float]:
     convs = episode_openings(episodes)
     policy.stop_ids = [-1]  # fixed budget: decode new_tokens every turn
+    keys = list(range(episodes)) if sessions else None
     tokens, t0 = 0, time.perf_counter()
     for turn in range(turns):
-        gens = policy.generate(convs, TOOLS, temperature=0.0, max_new_tokens=new_tokens, seed=turn)
+        gens = policy.generate(convs, TOOLS, temperature=0.0, max_new_tokens=new_tokens, seed=turn, sessions=keys)
         for i, (conv, g) in enumerate(zip(convs, gens)):
             tokens += g.completion_tokens
             conv += [Message(role="assistant", content=g.text), user_reply(turn, i)]
@@ -169,12 +171,12 @@ def main() -> None:
         torch.set_num_threads(1 if row.endswith("threads1") else args.threads)
         try:
             if row.startswith("batched"):
-                pol = load_policy(model_dir, dtype="bfloat16" if row.endswith("bf16") else "float32",
+                pol = load_policy(model_dir, dtype="bfloat16" if "bf16" in row else "float32",
                                   attn_implementation={"eager": "eager", "sdpa": "sdpa"}.get(row.split("-")[-1], "cascade"),
                                   prefix_cache=not row.endswith("noprefix"))
                 run_batched(pol, 2, 1, 4)  # warm-up
                 pol._prefixes.clear()  # the shared prefix is computed inside the timed run
-                results[row] = run_batched(pol, *shape)
+                results[row] = run_batched(pol, *shape, sessions=row.endswith("-kv"))
             elif row.startswith("naive"):
                 load, _ = resolve_model_path(model_dir)
                 pol = load_policy(model_dir)
