@@ -295,8 +295,7 @@ class TrainConfig(Section):
     (training/shared_prompt.py); False: TRL's own pass over every row (with activation checkpointing)."""
     micro_batch: int = Field(0, ge=0)
     """Episodes per forward/backward pass (0: on CPU the whole iteration with `shared_prompt`, else 1;
-    a group of K on CUDA); must divide groups x
-    group_size. Gradients are accumulated over the iteration (the loss is normalised by the
+    a group of K on CUDA); must divide groups x group_size. Gradients are accumulated over the iteration (the loss is normalised by the
     iteration's token count), so only memory and float rounding depend on it. On CPU, 4 SmolLM2
     retail episodes (~2.7k tokens each) per pass peaked at 16.5 GB."""
     threads: int = Field(0, ge=0)

@@ -30,8 +30,8 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -244,12 +244,11 @@ class Policy:
             return self._decode(prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens,
                                 seed, processor, t0, sessions)
 
-    def _reusable(self, prompts: list[list[int]], prefix_len: int, sessions: Sequence[Hashable] | None
-                  ) -> list[_Session | None]:
+    def _reusable(self, prompts: list[list[int]], prefix_len: int, sessions: Sequence[Hashable] | None,
+                  head: tuple[str | None, tuple[int, ...]]) -> list[_Session | None]:
         """Per row, the kept session whose tokens the prompt repeats (at least one token left to compute)."""
         if sessions is None:
             return [None] * len(prompts)
-        head = (self.adapter, tuple(prompts[0][:prefix_len]))
         out: list[_Session | None] = []
         for key, prompt in zip(sessions, prompts):
             kept = self._sessions.get(key)
@@ -260,8 +259,8 @@ class Policy:
             out.append(kept.cut(n) if n else None)
         return out
 
-    def _keep(self, key: Hashable, prompt: list[int], prefix_len: int, fed: list[int], cache: Any,
-              mask: torch.Tensor, j: int) -> None:
+    def _keep(self, key: Hashable, head: tuple[str | None, tuple[int, ...]], prompt: list[int], prefix_len: int,
+              fed: list[int], cache: Any, mask: torch.Tensor, j: int) -> None:
         """Store row j's KV states after the shared prefix (its valid positions) under `key`."""
         valid = mask[j, prefix_len:].bool()
         kv = []
@@ -272,13 +271,14 @@ class Policy:
         ids = prompt[prefix_len:] + fed
         assert kv[0][0].shape[1] == len(ids), (kv[0][0].shape, len(ids))
         self._sessions.pop(key, None)
-        self._sessions[key] = _Session((self.adapter, tuple(prompt[:prefix_len])), ids, kv)
+        self._sessions[key] = _Session(head, ids, kv)
         while len(self._sessions) > MAX_SESSIONS:  # the oldest first
             self._sessions.pop(next(iter(self._sessions)))
 
     def _decode(self, prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens, seed,
                 processor, t0, sessions=None):
-        reused = self._reusable(prompts, prefix_len, sessions)
+        head = (self.adapter, tuple(prompts[0][:prefix_len]))  # what kept sessions must have been computed under
+        reused = self._reusable(prompts, prefix_len, sessions, head)
         logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade, reused)
         t1 = time.perf_counter()
 
@@ -305,8 +305,8 @@ class Policy:
             if bool(done.any()):
                 if sessions is not None:
                     for j in done.nonzero().flatten().tolist():
-                        self._keep(sessions[rows[j]], prompts[rows[j]], prefix_len, outs[rows[j]][:-1], cache,
-                                   mask, j)
+                        self._keep(sessions[rows[j]], head, prompts[rows[j]], prefix_len, outs[rows[j]][:-1],
+                                   cache, mask, j)
                 keep = (~done).nonzero().flatten()
                 rows = [rows[j] for j in keep.tolist()]
                 gens = [gens[j] for j in keep.tolist()]
@@ -324,7 +324,7 @@ class Policy:
             logits = out.logits[:, -1, :].float()
         if sessions is not None:
             for j, r in enumerate(rows):
-                self._keep(sessions[r], prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
+                self._keep(sessions[r], head, prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
         t2 = time.perf_counter()
         self.stats.calls += 1
         self.stats.sequences += n
@@ -343,10 +343,8 @@ class Policy:
                 return len(ids), kv
         # New prefix: the common tokens, cut after the first turn so it stays stable across turns,
         # and leaving every row at least one token to compute logits from.
-        lcp = 0
         first = prompts[0]
-        while lcp < shortest - 1 and all(p[lcp] == first[lcp] for p in prompts):
-            lcp += 1
+        lcp = min(_common_prefix(first, p, shortest - 1) for p in prompts)
         if self._turn_end_id in first[:lcp]:
             lcp = min(lcp, first.index(self._turn_end_id) + 1)
         if lcp < MIN_PREFIX_TOKENS:
@@ -418,6 +416,7 @@ class _Session:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common start of `a` and `b`, at most `limit`."""
     n = min(len(a), len(b), max(0, limit))
     i = 0
     while i < n and a[i] == b[i]:

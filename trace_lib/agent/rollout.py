@@ -103,6 +103,7 @@ def collect_rollouts(
     t0 = time.perf_counter()
     bar = tqdm(total=len(queue), desc="rollout", unit="episode", disable=not progress)
     call = 0
+    keeps_kv = hasattr(policy, "end_sessions")  # the embedded engine keeps each episode's KV across turns
     while queue or live:
         while queue and len(live) < cfg.batch_size:
             task, sample = queue.pop()
@@ -111,7 +112,6 @@ def collect_rollouts(
             live.append(_Episode(task, sample, env))
         tools = live[0].env.tool_schemas()
         g0 = time.perf_counter()
-        keeps_kv = hasattr(policy, "end_sessions")  # the embedded engine keeps each episode's KV across turns
         gens = policy.generate(
             [ep.state.messages for ep in live], tools, temperature=cfg.temperature, top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + call, constrained=cfg.constrained,
