@@ -66,6 +66,11 @@ class EnvConfig(Section):
     """τ² envs with `user: llm`: the Claude model that plays the customer (anthropic backend)."""
     user_cache_dir: str = "data/user_cache"
     """τ² envs with `user: llm`: replies cached by request hash (plus ledger.jsonl); persistent."""
+    tool_timeout_s: float = Field(5.0, gt=0)
+    """Wall time one tool call may take (built-in and τ² tools run in a forked copy that is stopped
+    after it); a call that takes longer is a tool error. Synthesized envs use `synthesize`'s limits."""
+    tool_output_chars: int = Field(20_000, ge=100)
+    """Longest tool result passed to the agent; a longer one is cut with a marker."""
 
 
 class RolloutConfig(Section):

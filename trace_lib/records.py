@@ -51,6 +51,8 @@ class Message(BaseModel):
     name: str | None = None
     invalid: str | None = None
     """For assistant turns: why the raw text was not a valid action (None when it was)."""
+    suspicious: str | None = None
+    """For assistant turns taken as they are: why they look wrong (e.g. they imitate chat markup)."""
     error: bool = False
     """For tool turns: the tool refused the call (bad arguments, failed precondition, unknown tool)."""
 
@@ -106,6 +108,10 @@ class Trajectory(Record):
     invalid_actions: int
     tool_errors: int
     turns: int
+    suspicious_turns: int = 0
+    """Agent turns taken as messages that imitate the chat protocol (`Message.suspicious`)."""
+    tool_faults: int = 0
+    """Tool calls stopped by the limits (timeout, crash) or cut by the output cap; also tool errors."""
     prompt_tokens: int
     completion_tokens: int
     seconds: float | None = None

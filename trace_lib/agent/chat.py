@@ -39,6 +39,7 @@ a JSON array of calls.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from functools import lru_cache
@@ -46,6 +47,7 @@ from importlib import resources
 from typing import Any
 
 from trace_lib.records import Message, ToolCall
+from trace_lib.text import clean_json, clean_text
 
 MAX_OUTPUT_CHARS = 8000
 """Longer agent outputs are invalid (a runaway generation, not an action)."""
@@ -53,6 +55,11 @@ MAX_OUTPUT_CHARS = 8000
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
+PROTOCOL_MARKUP = ("<tool_response>", "</tool_response>", "<tools>", "</tools>", "<|im_start|>", "<|im_end|>",
+                   "<|endoftext|>")
+"""Chat-format markup that has no place in a message to the user: a turn holding it imitates the
+protocol (e.g. a made-up tool result). Such turns are kept as messages but marked `suspicious`."""
+_CALL_SYNTAX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 
 
 @lru_cache(maxsize=1)
@@ -193,10 +200,34 @@ def _cut_at_stop(text: str) -> str:
     return text
 
 
+class _NonFinite(ValueError):
+    """A JSON number that no strict JSON writer can write back (NaN, Infinity, or one that overflows)."""
+
+
+def _strict_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NonFinite(text)
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise _NonFinite(text)
+
+
+def _load_call_json(text: str) -> Any:
+    """`json.loads` for model-written JSON, with every string cleaned (`\\ud800` escapes decode to
+    unencodable text) and non-finite numbers refused: Python's parser takes `NaN`, `Infinity` and
+    `1e999`, which the strict JSONL writer of every later artifact cannot write."""
+    return clean_json(json.loads(text, parse_float=_strict_float, parse_constant=_no_constant))
+
+
 def _call_from_json(body: str, params: dict[str, dict[str, Any]], where: str) -> ToolCall | str:
     """A ToolCall from the JSON text of one call, or the reason it is not one."""
     try:
-        obj = json.loads(_strip_fence(body))
+        obj = _load_call_json(_strip_fence(body))
+    except _NonFinite as err:
+        return f"{where}: number {str(err)[:40]!r} is not finite (JSON has no NaN or Infinity)"
     except (json.JSONDecodeError, RecursionError) as err:
         return f"{where}: bad JSON ({getattr(err, 'msg', type(err).__name__)})"
     if not isinstance(obj, dict):
@@ -209,8 +240,10 @@ def _call_from_json(body: str, params: dict[str, dict[str, Any]], where: str) ->
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # OpenAI-style stringified arguments
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+            args = _load_call_json(args) if args.strip() else {}
+        except _NonFinite as err:
+            return f"{where}: number {str(err)[:40]!r} is not finite (JSON has no NaN or Infinity)"
+        except (json.JSONDecodeError, RecursionError):
             return f"{where}: arguments are a string that is not JSON"
     if args is None:
         args = {}
@@ -242,8 +275,10 @@ def parse_assistant(
 def _parse(text: str, tools: list[dict[str, Any]], turn: int, max_chars: int) -> Message:
     if not isinstance(text, str):
         return _invalid(str(text), f"output is {type(text).__name__}, not text", max_chars)
+    text = clean_text(text)
     if len(text) > max_chars:
         return _invalid(text, f"output too long ({len(text)} > {max_chars} characters)", max_chars)
+    markup = _protocol_markup(text)
     text = _cut_at_stop(text)
     if not text.strip():
         return _invalid(text, "empty output", max_chars)
@@ -263,7 +298,10 @@ def _parse(text: str, tools: list[dict[str, Any]], turn: int, max_chars: int) ->
                 if isinstance(call, str):
                     return _invalid(text, call, max_chars)
                 return Message(role="assistant", tool_calls=[call.model_copy(update={"id": f"call_{turn}_0"})])
-        return Message(role="assistant", content=text.strip())
+        failed = _failed_call_shape(bare, params)
+        if failed:
+            return _invalid(text, failed, max_chars)
+        return Message(role="assistant", content=text.strip(), suspicious=markup)
 
     calls: list[ToolCall] = []
     outside: list[str] = []
@@ -290,4 +328,32 @@ def _parse(text: str, tools: list[dict[str, Any]], turn: int, max_chars: int) ->
         calls.append(call.model_copy(update={"id": f"call_{turn}_{len(calls)}"}))
         pos = end + len(CLOSE_TAG)
     content = "\n".join(s.strip() for s in outside if s.strip())
-    return Message(role="assistant", content=content, tool_calls=calls)
+    return Message(role="assistant", content=content, tool_calls=calls, suspicious=markup)
+
+
+def _protocol_markup(text: str) -> str | None:
+    """Why a turn imitates the chat protocol, or None. Stop strings count only after other text
+    (a turn that simply ends with `<|im_end|>` is the normal case)."""
+    found = []
+    for tag in PROTOCOL_MARKUP:
+        idx = text.find(tag)
+        if idx >= 0 and not (tag in _STOP_STRINGS and not text[idx + len(tag):].strip()):
+            found.append((idx, tag))
+    return f"imitates protocol markup ({min(found)[1]})" if found else None
+
+
+def _failed_call_shape(bare: str, params: dict[str, dict[str, Any]]) -> str | None:
+    """Why a plain-text turn is a tool call in the wrong form (not a message to the user), or None."""
+    if bare.startswith("{") and bare.endswith("}"):
+        try:
+            obj = ast.literal_eval(bare)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            obj = None
+        if isinstance(obj, dict) and "name" in obj:
+            return "tool call written as a Python literal, not JSON"
+        if '"name"' in bare or "'name'" in bare:
+            return "tool call that is not valid JSON"
+    m = _CALL_SYNTAX.match(bare)
+    if m and m.group(1) in params:
+        return f"tool call written as code ({m.group(1)}(...)), not in {OPEN_TAG} tags"
+    return None

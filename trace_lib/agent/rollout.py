@@ -80,7 +80,7 @@ def _finish(ep: _Episode, policy_id: str, seed: int, adapter: str | None) -> Tra
         split=ep.task.split, policy_id=policy_id, adapter=adapter, seed=seed, sample=ep.sample,
         messages=st.messages, reward=reward, success=reward >= 1.0, termination=st.termination or "",
         tool_calls=st.tool_calls, invalid_actions=st.invalid_actions, tool_errors=st.tool_errors,
-        turns=st.steps, prompt_tokens=ep.prompt_tokens, completion_tokens=ep.completion_tokens,
+        turns=st.steps, suspicious_turns=st.suspicious_turns, tool_faults=st.tool_faults, prompt_tokens=ep.prompt_tokens, completion_tokens=ep.completion_tokens,
         reward_info=info,
     )
 
@@ -161,7 +161,8 @@ def _rate(k: int, n: int) -> dict[str, float]:
 
 
 def summarize(trajectories: Sequence[Trajectory], group_by: str = "family") -> dict[str, Any]:
-    """Success rate with a 95% Wilson interval overall and per group, tool calls, invalid actions.
+    """Success rate with a 95% Wilson interval overall and per group, tool calls, invalid actions,
+    suspicious turns and tool faults (counts).
 
     Samples of the same task are counted as separate episodes, so with several samples per task
     the interval is narrower than a per-task interval would be.
@@ -177,6 +178,8 @@ def summarize(trajectories: Sequence[Trajectory], group_by: str = "family") -> d
         "mean_tool_calls_success": (sum(t.tool_calls for t in successes) / len(successes)) if successes else None,
         "invalid_action_rate": sum(t.invalid_actions for t in trajectories) / max(1, turns),
         "tool_error_rate": sum(t.tool_errors for t in trajectories) / max(1, sum(t.tool_calls for t in trajectories)),
+        "suspicious_turns": sum(t.suspicious_turns for t in trajectories),
+        "tool_faults": sum(t.tool_faults for t in trajectories),
         "terminations": dict(sorted(Counter(t.termination for t in trajectories).items())),
         f"by_{group_by}": {g: _rate(sum(t.success for t in ts), len(ts)) for g, ts in sorted(groups.items())},
     }

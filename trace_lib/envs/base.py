@@ -19,8 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from trace_lib.envs.limits import ToolLimits, ToolOutcome, call_limited
 from trace_lib.envs.said import texts_said
 from trace_lib.records import Message, Task, ToolCall
+from trace_lib.text import clean_text
 
 ToolKind = Literal["read", "write", "generic"]
 
@@ -63,6 +65,8 @@ class EpisodeState:
     tool_calls: int = 0
     invalid_actions: int = 0
     tool_errors: int = 0
+    suspicious_turns: int = 0
+    tool_faults: int = 0
     done: bool = False
     termination: str | None = None
 
@@ -72,10 +76,14 @@ class Environment(ABC):
 
     name: str = "env"
     transfer_tools: frozenset[str] = frozenset({"transfer_to_human_agents"})
+    isolate_tools: bool = True
+    """Run tool calls through `call_limited` (a forked copy under a time limit). Environments whose
+    tools already run out of process under limits (the synthesized ones) turn it off."""
 
-    def __init__(self, max_steps: int = 10, max_errors: int = 5) -> None:
+    def __init__(self, max_steps: int = 10, max_errors: int = 5, tool_limits: ToolLimits | None = None) -> None:
         self.max_steps = max_steps
         self.max_errors = max_errors
+        self.tool_limits = tool_limits or ToolLimits()
         self.state: EpisodeState | None = None
 
     # --- to implement -------------------------------------------------------------------------
@@ -129,8 +137,7 @@ class Environment(ABC):
         st = self._require_state()
         if st.done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
-        st.messages.append(action)
-        st.steps += 1
+        self._take(st, action)
         observations: list[Message] = []
         if action.invalid is not None:
             st.invalid_actions += 1
@@ -165,19 +172,45 @@ class Environment(ABC):
         return value, {"termination": st.termination, **info}
 
     # --- helpers ------------------------------------------------------------------------------
+    def _take(self, st: EpisodeState, action: Message) -> None:
+        """Record the agent's turn and count it (a suspicious turn is counted whatever follows)."""
+        st.messages.append(action)
+        st.steps += 1
+        if action.suspicious is not None:
+            st.suspicious_turns += 1
+
     def _run_tool(self, st: EpisodeState, call: ToolCall) -> Message:
         st.tool_calls += 1
         known = {t.name for t in self.tools}
         if call.name not in known:
-            text, is_error = f"Error: unknown tool '{call.name}'. Available tools: {', '.join(sorted(known))}", True
+            outcome = ToolOutcome(f"Error: unknown tool '{call.name}'. Available tools: {', '.join(sorted(known))}",
+                                  True)
         else:
+            outcome = self._execute_limited(call)
+        return self._tool_message(st, call, outcome)
+
+    def _execute_limited(self, call: ToolCall) -> ToolOutcome:
+        """`_execute` under the tool limits: a timeout, crash or huge result becomes an error or a cut
+        observation, never an exception (module `limits`)."""
+        if not self.isolate_tools:
             try:
                 text, is_error = self._execute(call)
             except Exception as err:  # a tool rejecting bad input is an observation, not a crash
-                text, is_error = f"Error: {type(err).__name__}: {err}", True
-        if is_error:
+                return ToolOutcome(f"Error: {type(err).__name__}: {err}", True)
+            capped = len(text) > self.tool_limits.max_chars
+            return ToolOutcome(clean_text(text, self.tool_limits.max_chars), bool(is_error),
+                               "capped" if capped else None)
+        changes = self.tool_kinds().get(call.name, "write") == "write"  # read and generic tools change nothing
+        return call_limited(lambda: self._execute(call), self.tool_limits, changes_state=changes)
+
+    @staticmethod
+    def _tool_message(st: EpisodeState, call: ToolCall, outcome: ToolOutcome) -> Message:
+        if outcome.is_error:
             st.tool_errors += 1
-        return Message(role="tool", name=call.name, tool_call_id=call.id, content=text, error=is_error)
+        if outcome.fault is not None:
+            st.tool_faults += 1
+        return Message(role="tool", name=call.name, tool_call_id=call.id, content=outcome.text,
+                       error=outcome.is_error)
 
     def _finish(self, st: EpisodeState, why: str) -> None:
         st.done = True

@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.envs.limits import ToolLimits
 from trace_lib.envs.said import output_found
 from trace_lib.envs.families import build_family_tasks, core_tool_names
 from trace_lib.envs.user import ScriptedUser
@@ -189,8 +190,9 @@ class RetailEnv(Environment):
     name = "retail"
 
     def __init__(self, tools: str = "core", max_steps: int = 8, max_errors: int = 4,
-                 require_confirmation: bool = True, user_max_turns: int = 12) -> None:
-        super().__init__(max_steps=max_steps, max_errors=max_errors)
+                 require_confirmation: bool = True, user_max_turns: int = 12,
+                 tool_limits: ToolLimits | None = None) -> None:
+        super().__init__(max_steps=max_steps, max_errors=max_errors, tool_limits=tool_limits)
         self._tools = retail_tool_specs(tools)
         self._kinds = {t.name: t.kind for t in self._tools}
         self.require_confirmation = require_confirmation
@@ -254,7 +256,8 @@ def build_env(cfg: EnvConfig) -> Environment:
     """A fresh RetailEnv configured from the `env` params section."""
     if cfg.user != "scripted":
         raise ValueError(f"env.user: the built-in retail environment only has the 'scripted' user, got {cfg.user!r}")
-    return RetailEnv(tools=cfg.tools, max_steps=cfg.max_steps, max_errors=cfg.max_errors)
+    return RetailEnv(tools=cfg.tools, max_steps=cfg.max_steps, max_errors=cfg.max_errors,
+                     tool_limits=ToolLimits.of(cfg))
 
 
 def build_tasks(cfg: EnvConfig, split: str) -> list[Task]:

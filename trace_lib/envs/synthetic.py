@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.envs.limits import ToolLimits
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
 from trace_lib.synth.sandbox import SandboxError, SandboxProcess
@@ -108,9 +109,12 @@ def trajectory_payload(messages: Sequence[Message], termination: str | None, too
 class SyntheticEnv(Environment):
     """The target's tools and prompt, the module's world and verifier, the scripted customer."""
 
+    isolate_tools = False  # tools run in the sandbox worker, under its time and memory limits
+
     def __init__(self, sandbox: SandboxProcess, target_cfg: EnvConfig, *, max_steps: int | None = None,
                  max_errors: int | None = None, user_max_turns: int = 12) -> None:
-        super().__init__(max_steps=max_steps or target_cfg.max_steps, max_errors=max_errors or target_cfg.max_errors)
+        super().__init__(max_steps=max_steps or target_cfg.max_steps, max_errors=max_errors or target_cfg.max_errors,
+                         tool_limits=ToolLimits.of(target_cfg))
         target = target_env(target_cfg)
         self.sandbox = sandbox
         self.name = f"synth:{sandbox.meta.get('CAPABILITY')}"

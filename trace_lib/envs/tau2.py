@@ -49,6 +49,7 @@ from tau2.user.base import STOP
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment, EpisodeState, StepResult, ToolSpec, UserTurn
+from trace_lib.envs.limits import ToolLimits
 from trace_lib.envs.tau2_user import agent_greeting, llm_user_factory, scenario_from_tau2, stop_token, tau2_constant
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
@@ -253,12 +254,13 @@ class Tau2Env(Environment):
     """One τ²-bench domain behind trace's Environment protocol; see the module docstring."""
 
     def __init__(self, domain: str, *, max_steps: int = DEFAULT_MAX_STEPS, max_errors: int = DEFAULT_MAX_ERRORS,
-                 user: str = "scripted", user_factory: UserFactory | None = None) -> None:
+                 user: str = "scripted", user_factory: UserFactory | None = None,
+                 tool_limits: ToolLimits | None = None) -> None:
         if domain not in DOMAINS:
             raise ValueError(f"unknown τ² domain {domain!r}; choose one of {DOMAINS}")
         if user_factory is None and user != "scripted":
             raise ValueError(f"user mode {user!r} needs a user_factory (build_env makes one for 'llm')")
-        super().__init__(max_steps=max_steps, max_errors=max_errors)
+        super().__init__(max_steps=max_steps, max_errors=max_errors, tool_limits=tool_limits)
         self.domain = domain
         self.name = f"tau2-{domain}"
         self.user_mode = user
@@ -328,8 +330,7 @@ class Tau2Env(Environment):
         if self._pending:
             self._finish(st, self._pending)
             return StepResult([], True, st.termination)
-        st.messages.append(action)
-        st.steps += 1
+        self._take(st, action)
         self.tau2_steps += 1
         observations: list[Message] = []
         stop: str | None = None
@@ -375,13 +376,7 @@ class Tau2Env(Environment):
     def _run_tool(self, st: EpisodeState, call: ToolCall) -> Message:
         # Unknown tools too go to τ², whose error text is what its evaluator replays.
         st.tool_calls += 1
-        try:
-            text, is_error = self._execute(call)
-        except Exception as err:  # τ²'s get_response catches tool errors; this is a last resort
-            text, is_error = f"Error: {type(err).__name__}: {err}", True
-        if is_error:
-            st.tool_errors += 1
-        return Message(role="tool", name=call.name, tool_call_id=call.id, content=text, error=is_error)
+        return self._tool_message(st, call, self._execute_limited(call))
 
     def _limits(self, st: EpisodeState, stop: str | None) -> str | None:
         """τ²'s run loop: a step limit reached overrides the reason, and an error limit overrides that."""
@@ -426,4 +421,5 @@ def build_env(cfg: EnvConfig) -> Tau2Env:
     """A fresh τ² environment for `cfg.name` ('tau2-retail' / 'tau2-airline') and `cfg.user`."""
     domain = domain_of(cfg.name)
     factory = llm_user_factory(cfg) if cfg.user == "llm" else None
-    return Tau2Env(domain, max_steps=cfg.max_steps, max_errors=cfg.max_errors, user=cfg.user, user_factory=factory)
+    return Tau2Env(domain, max_steps=cfg.max_steps, max_errors=cfg.max_errors, user=cfg.user, user_factory=factory,
+                   tool_limits=ToolLimits.of(cfg))
