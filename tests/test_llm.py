@@ -33,32 +33,40 @@ def _message(text: str) -> dict:
 
 
 class FakeMessagesAPI:
-    """A scripted /v1/messages endpoint: each request pops the next (status, body) from `script`."""
+    """A scripted /v1/messages endpoint: each request pops the next (status, body[, headers]) from
+    `script` (the last entry repeats). A bytes body is sent as is; `headers` override the defaults
+    (None drops one), so a `content-length` above the body's size sends a body cut short."""
 
-    def __init__(self, script: list[tuple[int, dict]], max_requests: int = 20, delays: list[float] = ()) -> None:
+    def __init__(self, script: list[tuple], max_requests: int = 20, delays: list[float] = ()) -> None:
         self.script = list(script)
         self.delays = list(delays)
         self.requests: list[dict] = []
         self.headers: list[dict] = []
+        self.times: list[float] = []
         self.max_requests = max_requests
         api = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 (http.server naming)
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                api.times.append(time.monotonic())
                 api.requests.append(body)
                 api.headers.append({k.lower(): v for k, v in self.headers.items()})
                 if api.delays:
                     time.sleep(api.delays.pop(0))
                 if len(api.requests) > api.max_requests or not api.script:
-                    status, payload = 500, {"type": "error", "error": {"type": "api_error", "message": "script empty"}}
+                    entry = (500, {"type": "error", "error": {"type": "api_error", "message": "script empty"}})
                 else:
-                    status, payload = api.script[0] if len(api.script) == 1 else api.script.pop(0)
-                data = json.dumps(payload).encode()
+                    entry = api.script[0] if len(api.script) == 1 else api.script.pop(0)
+                status, payload, extra = (*entry, {})[:3]
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                # retry-after-ms keeps the SDK's backoff short in tests
+                headers = {"content-type": "application/json", "content-length": str(len(data)),
+                           "retry-after-ms": "5", **extra}
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.send_header("retry-after-ms", "5")  # keep the SDK's backoff short in tests
+                for name, value in headers.items():
+                    if value is not None:
+                        self.send_header(name, value)
                 try:
                     self.end_headers()
                     self.wfile.write(data)
@@ -249,3 +257,93 @@ def test_ledger_totals_bill_only_sent_requests(tmp_path):
     t = ledger_totals(tmp_path / "ledger.jsonl")["score"]
     assert (t["calls"], t["cache_hits"], t["input_tokens"], t["output_tokens"]) == (2, 1, 11, 7)
     assert ledger_totals(tmp_path / "missing.jsonl") == {}
+
+
+# --- faults: each is retried with backoff, then fails naming the stage and the request ---------------
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _truncated(kind: str) -> tuple:
+    """A 200 whose body stops mid-JSON: the connection closes before `content-length` bytes
+    ('short'), or the length matches the cut body ('cut', as a proxy that lost the tail sends it)."""
+    full = json.dumps(_message("never seen")).encode()
+    if kind == "short":
+        return 200, full[:40], {"content-length": str(len(full))}
+    return 200, full[:40]
+
+
+def test_429_with_retry_after_waits_then_succeeds_and_reruns_free(tmp_path):
+    slow_down = (*_error(429, "rate_limit_error"), {"retry-after-ms": None, "retry-after": "1"})
+    with FakeMessagesAPI([slow_down, (200, _message("ok"))]) as api:
+        reply = _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="discover")
+    assert reply.text == "ok" and len(api.requests) == 2
+    assert api.times[1] - api.times[0] >= 0.9  # honoured retry-after: 1 (seconds)
+    assert api.headers[1].get("x-stainless-retry-count") == "1"
+    assert [r["retries"] for r in _rows(tmp_path / "ledger.jsonl")] == [1]
+    assert ledger_totals(tmp_path / "ledger.jsonl")["discover"]["retries"] == 1
+    with FakeMessagesAPI([_error(500, "api_error")]) as api2:
+        client = _client(tmp_path, api2.url)
+        again = client.complete("s", MSGS, max_tokens=8, stage="discover")
+    assert again.cached and again.text == "ok" and api2.requests == [] and client.requests_sent == 0
+    assert [r["retries"] for r in _rows(tmp_path / "ledger.jsonl")] == [1, 0]
+
+
+@pytest.mark.parametrize("kind", ["short", "cut"])
+def test_truncated_body_is_retried(tmp_path, kind):
+    with FakeMessagesAPI([_truncated(kind), (200, _message("whole"))]) as api:
+        reply = _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="score")
+    assert reply.text == "whole" and len(api.requests) == 2
+    (row,) = _rows(tmp_path / "ledger.jsonl")
+    assert row["retries"] == 1 and "error" not in row
+
+
+@pytest.mark.parametrize("kind", ["short", "cut"])
+def test_truncated_body_forever_is_a_clear_error(tmp_path, kind):
+    with FakeMessagesAPI([_truncated(kind)]) as api:
+        with pytest.raises(LLMError) as info:
+            _client(tmp_path, api.url, max_retries=2).complete("s", MSGS, max_tokens=8, stage="discover")
+    assert len(api.requests) == 3
+    key = request_key("anthropic", "claude-sonnet-4-5", "s", MSGS, 8, 0.0)
+    msg = str(info.value)
+    assert "stage discover" in msg and f"request {key[:16]}" in msg and "after 2 retries" in msg
+    assert ("complete message body" if kind == "short" else "not valid JSON") in msg
+    assert not list((tmp_path / "cache").rglob("*.json"))  # a failure caches nothing
+    (row,) = _rows(tmp_path / "ledger.jsonl")
+    assert row["request"] == key[:16] and row["retries"] == 2 and row["error"] and row["cost_usd"] == 0.0
+    t = ledger_totals(tmp_path / "ledger.jsonl")["discover"]
+    assert (t["calls"], t["errors"], t["retries"], t["input_tokens"]) == (1, 1, 2, 0)
+
+
+@pytest.mark.parametrize("fault", ["500", "timeout"])
+def test_exhausted_retries_name_stage_model_and_request(tmp_path, fault):
+    script, delays = ([_error(500, "api_error")], []) if fault == "500" else ([(200, _message("late"))], [1.0] * 2)
+    with FakeMessagesAPI(script, delays=delays) as api:
+        client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
+                           base_url=api.url, api_key=KEY, max_retries=1, timeout=0.3)
+        with pytest.raises(LLMError) as info:
+            client.complete("s", MSGS, max_tokens=8, stage="tau2_user")
+    key = request_key("anthropic", "claude-sonnet-4-5", "s", MSGS, 8, 0.0)
+    msg = str(info.value)
+    assert msg.startswith(f"anthropic/claude-sonnet-4-5 stage tau2_user request {key[:16]}: ")
+    assert ("HTTP 500 after 1 retries" if fault == "500" else "timed out (0.3 s) after 1 retries") in msg
+    assert len(api.requests) == 2 and KEY not in msg
+    assert [(r["retries"], bool(r["error"])) for r in _rows(tmp_path / "ledger.jsonl")] == [(1, True)]
+
+
+def test_schema_mismatch_error_names_stage_and_request(tmp_path):
+    with FakeMessagesAPI([(200, _message('{"answer": "forty-two"}'))]) as api:
+        with pytest.raises(LLMError) as info:
+            _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
+    key = request_key("anthropic", "claude-sonnet-4-5", "s", MSGS, 32, 0.0, SCHEMA)
+    assert str(info.value).startswith(f"anthropic/claude-sonnet-4-5 stage label request {key[:16]}: reply ")
+    assert len(api.requests) == 2
+
+
+def test_key_echoed_by_the_server_is_redacted(tmp_path):
+    echo = (401, {"type": "error", "error": {"type": "authentication_error", "message": f"bad key {KEY}"}})
+    with FakeMessagesAPI([echo]) as api:
+        with pytest.raises(LLMError, match=r"HTTP 401 \(not retryable\)") as info:
+            _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="discover")
+    assert len(api.requests) == 1 and KEY not in str(info.value)
+    assert KEY not in (tmp_path / "ledger.jsonl").read_text()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -37,17 +38,33 @@ def tiny_params(model_dir: Path) -> dict:
     return params
 
 
-@pytest.fixture(scope="module")
-def scratch_repo(tmp_path_factory, tiny_model_dir) -> Path:
-    root = tmp_path_factory.mktemp("repo")
+def rules_params(model_dir: Path, train: dict) -> dict:
+    """`tiny_params` with the rules analyst, every candidate capability kept (the tiny model never
+    succeeds, so no capability has a gap to show) and the given `train` section."""
+    params = tiny_params(model_dir)
+    params["analyst"]["backend"] = "rules"
+    params["score"]["empty_rate"] = 0.0
+    params["train"] = train
+    params["evaluate"].update({"n_boot": 100})
+    return params
+
+
+def make_scratch_repo(root: Path, params: dict) -> Path:
+    """`root` made a git + dvc repo holding a copy of the library, notebooks, tests and dvc.yaml, with
+    `params` as its params.yaml."""
     for name in ("trace_lib", "notebooks", "tests"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("dvc.yaml", ".gitignore"):
         shutil.copy(REPO / name, root / name)
-    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(Path(tiny_model_dir))))
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
     _run(["git", "init", "-q"], root)
     _run([str(BIN / "dvc"), "init", "-q"], root)
     return root
+
+
+@pytest.fixture(scope="module")
+def scratch_repo(tmp_path_factory, tiny_model_dir) -> Path:
+    return make_scratch_repo(tmp_path_factory.mktemp("repo"), tiny_params(Path(tiny_model_dir)))
 
 
 def test_dvc_repro_runs_rollout_and_is_idempotent(scratch_repo: Path):
@@ -184,3 +201,60 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
         assert (scratch_repo / f"reports/html/{nb}.html").is_file()
     again = _run([str(BIN / "dvc"), "repro", "report"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
+
+
+def _ledger(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "data/discover/ledger.jsonl").read_text().splitlines()]
+
+
+def test_api_key_never_reaches_a_file(scratch_repo: Path, monkeypatch):
+    """With ANTHROPIC_API_KEY set, the whole tiny pipeline (rules analyst, up to the HTML report) and
+    then discover through the anthropic backend, against a local Messages API that answers a 429 and
+    a body cut mid-way before the proposals, with the SDK's debug log on: the key reaches the server
+    and no file in the repo, nor dvc's output. A forced rerun of discover sends nothing."""
+    from test_llm import FakeMessagesAPI, _error, _message
+
+    key = f"sk-ant-test-{secrets.token_hex(16)}"
+    proposal = {"capabilities": [{"name": "Confirm before writing", "description": "asks before a write tool",
+                                  "recognition": "a write call with no confirmation", "evidence": []}]}
+    reply = json.dumps(_message(json.dumps(proposal))).encode()
+    script = [_error(429, "rate_limit_error"), (200, reply[:60]), (200, reply)]
+    params_file = scratch_repo / "params.yaml"
+    params = yaml.safe_load(params_file.read_text())
+    params["analyst"]["backend"] = "rules"  # as in the report test: a no-op after it, the whole DAG alone
+    params["score"]["empty_rate"] = 0.0
+    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "max_new_tokens": 8,
+                       "max_steps_per_episode": 2, "threads": 1, "reward": {"efficiency": False}}
+    params["evaluate"].update({"n_boot": 100})
+    params_file.write_text(yaml.safe_dump(params))
+    logs = []
+    with FakeMessagesAPI(script) as api:
+        monkeypatch.setenv("ANTHROPIC_API_KEY", key)
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)  # nothing leaves the machine
+        monkeypatch.setenv("ANTHROPIC_LOG", "debug")
+        logs.append(_run([str(BIN / "dvc"), "repro", "report"], scratch_repo))
+        assert api.requests == []  # the rules analyst: the key is set but unused
+        params["analyst"]["backend"] = "auto"  # the key set: Claude, i.e. the fake server
+        params["discover"]["merge"] = "name"
+        params_file.write_text(yaml.safe_dump(params))
+        logs.append(_run([str(BIN / "dvc"), "repro", "discover"], scratch_repo))
+        sent, ledger = len(api.requests), _ledger(scratch_repo)
+        # The rerun overwrites them: the notebook that holds the SDK's log of the real calls, and the ledger.
+        first_run = {p: (scratch_repo / p).read_text() for p in ("reports/notebooks/02_discover.ipynb",
+                                                                 "data/discover/ledger.jsonl")}
+        logs.append(_run([str(BIN / "dvc"), "repro", "--force", "--single-item", "discover"], scratch_repo))
+    assert sent >= 3 and all(key in (h.get("x-api-key"), h.get("authorization", "").removeprefix("Bearer "))
+                             for h in api.headers)  # the key did reach the API
+    assert sum(r["retries"] for r in ledger) == 2 and not any(r["cached"] or "error" in r for r in ledger)
+    assert len(api.requests) == sent and all(r["cached"] for r in _ledger(scratch_repo))  # the rerun: cache only
+    metrics = json.loads((scratch_repo / "reports/metrics/discover.json").read_text())
+    assert metrics["analyst"] == "anthropic:claude-sonnet-4-5" and metrics["candidates"] == 1
+
+    files = [p for p in scratch_repo.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".html" for p in files) and any(p.suffix == ".ipynb" for p in files)
+    assert list((scratch_repo / "data/analyst_cache").rglob("*.json"))
+    leaked = [str(p.relative_to(scratch_repo)) for p in files if key.encode() in p.read_bytes()]
+    assert leaked == []
+    assert not any(key in proc.stdout + proc.stderr for proc in logs)
+    assert "HTTP Request: POST" in first_run["reports/notebooks/02_discover.ipynb"]  # the debug log was kept
+    assert not [p for p, text in first_run.items() if key in text]

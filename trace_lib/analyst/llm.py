@@ -1,16 +1,18 @@
 """One call layer for every LLM request the pipeline makes (analyst, synthesizer, LLM user).
 
 Reads: the on-disk reply cache (`cache_dir`), `ANTHROPIC_API_KEY` / `ANTHROPIC_BASE_URL` from the
-environment. Writes: one JSON file per distinct request under `cache_dir`, and a JSONL ledger of
-tokens and estimated cost per stage (`ledger_path`).
+environment. Writes: one JSON file per distinct request under `cache_dir`, and a JSONL ledger
+(`ledger_path`) with one row per call: tokens, estimated cost, retries taken, and the error of a
+call that failed.
 
 Backends (paper §3.1 uses an analyst LLM; which one is a parameter here):
 
     anthropic   Claude through the official SDK. The system prompt is sent as a cached block
                 (prompt caching: the long shared prefix is billed once per 5 minutes). Retries on
                 408/409/429/5xx, timeouts and dropped connections are the SDK's own (`max_retries`,
-                exponential backoff that honours `retry-after`); after the last one the call fails
-                with an `LLMError` that says what happened.
+                exponential backoff that honours `retry-after`); a 2xx whose body is not a whole
+                JSON message (cut off mid-way) is retried the same way. After the last retry the call
+                fails with an `LLMError` that says what happened.
     local       any HF instruct model folder, run through the project's policy code
                 (`trace_lib.agent.policy`), greedy unless a temperature is given.
     rules       not an LLM: discover/label dispatch to `trace_lib.analyst.detectors` instead. Asking this
@@ -19,8 +21,11 @@ Backends (paper §3.1 uses an analyst LLM; which one is a parameter here):
 `analyst_client` builds the client that params.yaml's `analyst` section asks for (None for `rules`).
 
 Every request is cached by sha256 of the canonical JSON of (backend, model, system, messages,
-max_tokens, temperature, schema), so a rerun sends nothing and returns the same bytes. The API key
-is held only by the SDK client; it is never part of a cache key, a cache file, the ledger or a repr.
+max_tokens, temperature, schema), so a rerun sends nothing and returns the same bytes. A failed call
+raises an `LLMError` that starts '<backend>/<model> stage <stage> request <key[:16]>:' (the key's
+prefix is the ledger row's `request` and starts the cache file's name). The API key is held only by
+the SDK client; it is never part of a cache key, a cache file, the ledger or a repr, and is blanked
+out of any error text a server sends back.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import logging
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trace_lib.config import AnalystConfig
 from trace_lib.io import atomic_write_text, dumps_json, iter_jsonl
+from trace_lib.text import clean_text
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +178,18 @@ def validate_json(value: Any, schema: dict) -> None:
 
 
 def ledger_totals(path: str | Path) -> dict[str, dict[str, float]]:
-    """Per-stage sums from a ledger file: calls, cache hits, and the tokens and estimated cost of
-    the requests actually sent (a cache hit costs nothing)."""
+    """Per-stage sums from a ledger file: calls, cache hits, failed calls (`errors`), the retries
+    they took, and the tokens and estimated cost of the requests actually sent (a cache hit costs
+    nothing)."""
     totals: dict[str, dict[str, float]] = {}
     if not Path(path).exists():
         return totals
     for row in iter_jsonl(path):
-        t = totals.setdefault(row.get("stage") or "", {"calls": 0, "cache_hits": 0, "input_tokens": 0,
-                                                       "output_tokens": 0, "cost_usd": 0.0})
+        t = totals.setdefault(row.get("stage") or "", {"calls": 0, "cache_hits": 0, "errors": 0, "retries": 0,
+                                                       "input_tokens": 0, "output_tokens": 0, "cost_usd": 0.0})
         t["calls"] += 1
+        t["retries"] += row.get("retries", 0)
+        t["errors"] += bool(row.get("error"))
         if row.get("cached"):
             t["cache_hits"] += 1
             continue
@@ -209,6 +219,7 @@ class LLMClient:
         self.requests_sent = 0
         """Requests that reached a backend (cache misses); tests and notebooks read it."""
         self._api_key = api_key
+        self._attempt = threading.local()  # `.retries` of the call in flight on this thread
         self._sdk = None
         self._policy = None
         self._ledger: list[dict] | None = None
@@ -230,6 +241,7 @@ class LLMClient:
             return self._parse(reply.text, schema)
         except ValueError as err:
             first_err = str(err)
+        key = request_key(self.backend, self.model, system, messages, max_tokens, temperature, schema)
         retry = list(messages) + [
             {"role": "assistant", "content": reply.text or "(empty)"},
             {"role": "user", "content": f"That reply was {first_err}. Answer again with only one JSON "
@@ -239,10 +251,13 @@ class LLMClient:
         try:
             return self._parse(reply2.text, schema)
         except ValueError as err:
-            raise LLMError(f"{self.backend}/{self.model} (stage {stage or '-'}): reply {err} after one re-ask "
+            raise LLMError(f"{self._where(stage, key)}: reply {err} after one re-ask "
                            f"(first reply: {first_err}); reply starts {reply2.text[:200]!r}") from None
 
     # --- internals ------------------------------------------------------------------------------
+    def _where(self, stage: str, key: str) -> str:
+        return f"{self.backend}/{self.model} stage {stage or '-'} request {key[:16]}"
+
     @staticmethod
     def _parse(text: str, schema: dict) -> Any:
         value = extract_json(text)
@@ -265,16 +280,41 @@ class LLMClient:
                 return reply
             except (json.JSONDecodeError, KeyError):
                 log.warning("ignoring unreadable cache file %s", path)
-        if self.backend == "anthropic":
-            text, n_in, n_out, c_write, c_read = self._anthropic(system, messages, max_tokens, temperature)
-        else:
-            text, n_in, n_out, c_write, c_read = self._local(system, messages, max_tokens, temperature)
+        self._attempt.retries = 0
+        try:
+            if self.backend == "anthropic":
+                text, n_in, n_out, c_write, c_read = self._anthropic(system, messages, max_tokens, temperature)
+            else:
+                text, n_in, n_out, c_write, c_read = self._local(system, messages, max_tokens, temperature)
+        except LLMError as err:
+            failed = LLMError(f"{self._where(stage, key)}: {err}")
+            self._record(stage, key, LLMReply("", 0, 0, cached=False), 0, 0, error=str(failed))
+            raise failed from None
         self.requests_sent += 1
+        text = clean_text(text)  # untrusted: e.g. a `\ud800` escape in the reply body decodes to unencodable text
         reply = LLMReply(text, n_in, n_out, cached=False)
         atomic_write_text(path, dumps_json({"backend": self.backend, "model": self.model, "text": text,
                                             "input_tokens": n_in, "output_tokens": n_out}) + "\n")
         self._record(stage, key, reply, c_write, c_read)
         return reply
+
+    def _on_attempt(self, request: Any, call_next: Any) -> Any:
+        """SDK middleware, run once per HTTP attempt inside the SDK's retry loop: notes the retries
+        taken so far (for the ledger), and has a 2xx whose body is not a whole JSON message (the
+        connection or a proxy cut it mid-way) retried with backoff like a dropped connection."""
+        import anthropic
+
+        self._attempt.retries = request.retries_taken
+        response = call_next(request)
+        if response.http_response.is_success:
+            try:
+                body = response.http_response.json()
+            except ValueError as err:
+                raise anthropic.RetryableError(f"reply body is not valid JSON ({err}; "
+                                               f"{len(response.http_response.content)} bytes)") from None
+            if not isinstance(body, dict) or not isinstance(body.get("content"), list):
+                raise anthropic.RetryableError("reply body is JSON but not a message (no 'content' list)")
+        return response
 
     def _anthropic(self, system: str, messages: list[dict], max_tokens: int,
                    temperature: float) -> tuple[str, int, int, int, int]:
@@ -284,7 +324,8 @@ class LLMClient:
             key = self._api_key or os.environ.get("ANTHROPIC_API_KEY")
             if not key:
                 raise LLMError("anthropic backend: ANTHROPIC_API_KEY is not set")
-            kwargs: dict[str, Any] = {"api_key": key, "max_retries": self.max_retries, "timeout": self.timeout}
+            kwargs: dict[str, Any] = {"api_key": key, "max_retries": self.max_retries, "timeout": self.timeout,
+                                      "middleware": [self._on_attempt]}
             if self.base_url:
                 kwargs["base_url"] = self.base_url
             self._sdk = anthropic.Anthropic(**kwargs)
@@ -296,14 +337,19 @@ class LLMClient:
                                             max_tokens=max_tokens, extra_body=extra)
         except anthropic.APIStatusError as err:
             retried = err.status_code in (408, 409, 429) or err.status_code >= 500
-            when = f"after {self.max_retries} retries" if retried else "(not retryable)"
-            raise LLMError(f"anthropic/{self.model}: HTTP {err.status_code} {when}: {_short(err.message)}") from None
+            when = f"after {self._attempt.retries} retries" if retried else "(not retryable)"
+            raise LLMError(f"HTTP {err.status_code} {when}: {self._redact(err.message)}") from None
         except anthropic.APITimeoutError:
-            raise LLMError(f"anthropic/{self.model}: timed out ({self.timeout} s) after "
-                           f"{self.max_retries} retries") from None
+            raise LLMError(f"timed out ({self.timeout} s) after {self._attempt.retries} retries") from None
         except anthropic.APIConnectionError as err:
-            raise LLMError(f"anthropic/{self.model}: connection failed after {self.max_retries} retries: "
-                           f"{_short(str(err))}") from None
+            # The SDK's own text is a bare "Connection error."; the cause says what broke.
+            cause = f" ({err.__cause__})" if err.__cause__ else ""
+            raise LLMError(f"connection failed after {self._attempt.retries} retries: "
+                           f"{self._redact(f'{err}{cause}')}") from None
+        except anthropic.RetryableError as err:
+            raise LLMError(f"{self._redact(str(err))} after {self._attempt.retries} retries") from None
+        except anthropic.AnthropicError as err:
+            raise LLMError(f"{type(err).__name__}: {self._redact(str(err))}") from None
         text = "".join(getattr(b, "text", "") for b in msg.content if getattr(b, "type", "") == "text")
         u = msg.usage
         return (text, int(u.input_tokens or 0), int(u.output_tokens or 0),
@@ -327,17 +373,28 @@ class LLMClient:
         return (out.text, int(getattr(out, "prompt_tokens", 0) or 0),
                 int(getattr(out, "completion_tokens", 0) or 0), 0, 0)
 
-    def _record(self, stage: str, key: str, reply: LLMReply, cache_write: int, cache_read: int) -> None:
+    def _redact(self, text: str) -> str:
+        """`text` shortened, with the API key blanked out should a server or proxy echo it."""
+        text = _short(text)
+        for secret in {self._api_key, os.environ.get("ANTHROPIC_API_KEY")} - {None, ""}:
+            text = text.replace(secret, "[redacted]")
+        return text
+
+    def _record(self, stage: str, key: str, reply: LLMReply, cache_write: int, cache_read: int,
+                error: str | None = None) -> None:
         if self.ledger_path is None:
             return
         if self._ledger is None:
             self._ledger = list(iter_jsonl(self.ledger_path)) if self.ledger_path.exists() else []
-        cost = 0.0 if reply.cached else estimate_cost(self.model, reply.input_tokens, reply.output_tokens,
-                                                       cache_write, cache_read)
-        self._ledger.append({"stage": stage, "backend": self.backend, "model": self.model, "request": key[:16],
-                             "cached": reply.cached, "input_tokens": reply.input_tokens,
-                             "output_tokens": reply.output_tokens, "cache_write_tokens": cache_write,
-                             "cache_read_tokens": cache_read, "cost_usd": cost})
+        cost = 0.0 if reply.cached or error else estimate_cost(self.model, reply.input_tokens,
+                                                               reply.output_tokens, cache_write, cache_read)
+        row = {"stage": stage, "backend": self.backend, "model": self.model, "request": key[:16],
+               "cached": reply.cached, "input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens,
+               "cache_write_tokens": cache_write, "cache_read_tokens": cache_read, "cost_usd": cost,
+               "retries": 0 if reply.cached else getattr(self._attempt, "retries", 0)}
+        if error:
+            row["error"] = error
+        self._ledger.append(row)
         # Rewritten whole and atomically: an interrupted run leaves the previous complete ledger.
         atomic_write_text(self.ledger_path, "".join(dumps_json(r) + "\n" for r in self._ledger))
 
