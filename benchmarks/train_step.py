@@ -36,7 +36,7 @@ from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
-from trace_lib.training.trainer import read_timing, read_train_log, train_adapter_mixture
+from trace_lib.training.trainer import default_timing_path, read_timing, read_train_log, train_adapter_mixture
 
 ROWS = {
     "trl": {"shared_prompt": False, "dtype": "float32"},
@@ -78,7 +78,7 @@ def main() -> None:
                 manifest = train_adapter_mixture(Path(args.model_dir), [source], cfg, out, seed=params.seed,
                                                  ledger=RolloutLedger(Path(tmp) / f"{row}.ledger.jsonl"), name=row)
                 wall = time.perf_counter() - t0
-                timing = read_timing(out)["iterations"]
+                timing = read_timing(default_timing_path(out))["iterations"]
                 log = read_train_log(out)
                 n = manifest.rollouts_used
                 step = sum(t["seconds"] for t in timing)

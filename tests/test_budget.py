@@ -56,6 +56,25 @@ def test_rewind_keeps_the_first_rows_of_one_key(tmp_path):
     assert led.rewind("train", "a", 5) == 0
 
 
+def test_reset_replaces_one_keys_rows_with_a_checkpoints(tmp_path):
+    led = RolloutLedger(tmp_path / "r.jsonl")
+    for n in (4, 4, 4):
+        led.add("train", n, key="a")
+    led.add("train", 5, key="b")
+    saved = [{"stage": "train", "key": "a", "rollouts": 4}]
+    assert led.reset("train", "a", saved) == 8  # rows logged after the checkpoint are dropped
+    assert led.used("train", "a") == 4 and led.used("train", "b") == 5
+    led.path.unlink()  # DVC removed the file with the stage's other outputs
+    assert led.reset("train", "a", saved * 2) == -8 and led.rows() == saved * 2
+    with led.path.open("a") as fh:
+        fh.write('{"stage": "tr')  # a crash mid-append
+    with pytest.warns(UserWarning, match="partial last line"):
+        assert led.reset("train", "a", saved * 2) == 0
+    assert led.path.read_text().endswith("}\n") and led.used() == 8
+    with pytest.raises(ValueError, match="must all be"):
+        led.reset("train", "a", [{"stage": "train", "key": "b", "rollouts": 1}])
+
+
 def test_total_rollouts_sums_several_ledgers(tmp_path):
     a, b = RolloutLedger(tmp_path / "a.jsonl"), RolloutLedger(tmp_path / "b.jsonl")
     a.add("train", 8, key="cap1")

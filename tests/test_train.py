@@ -302,8 +302,9 @@ def test_one_iteration_trains_and_writes_a_loadable_adapter(tiny_model_dir, tmp_
 
     manifest, ledger = train(tiny_model_dir, tmp_path, iterations=1, group_size=4)
     out = tmp_path / "adapter"
-    assert {"adapter_model.safetensors", "adapter_config.json", "train_log.jsonl", "timing.json",
+    assert {"adapter_model.safetensors", "adapter_config.json", "train_log.jsonl",
             "manifest.json"} <= {p.name for p in out.iterdir()}
+    assert not (out / "timing.json").exists()  # wall times stay out of the adapter folder
     assert manifest.iterations == 1 and manifest.rollouts_used == 8 == ledger.used("train", "cap")
     assert manifest.backend == "trl" and manifest.capability_id == "cap"
     assert not (tmp_path / ".cap.ckpt").exists()  # checkpoints are removed once the adapter is written
@@ -311,7 +312,7 @@ def test_one_iteration_trains_and_writes_a_loadable_adapter(tiny_model_dir, tmp_
     assert len(log) == 1 and '"seconds"' not in log[0] and '"frac_reward_zero_std"' in log[0]
     row = read_train_log(out)[0]
     assert row["iteration"] == 1 and row["rollouts"] == 8 and row["trained_tokens"] > 0
-    timing = read_timing(out)
+    timing = read_timing(tmp_path / "adapter.timing.json")
     assert [t["iteration"] for t in timing["iterations"]] == [1] and timing["seconds_per_iteration"] > 0
     weights = lora_weights(out)
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # B starts at zero
@@ -396,6 +397,36 @@ def test_a_crash_while_writing_the_adapter_resumes_without_retraining(tiny_model
     manifest, ledger = train(tiny_model_dir, tmp_path, iterations=1)
     assert manifest.iterations == 1 and ledger.used("train", "cap") == 4
     assert len((tmp_path / "adapter" / "train_log.jsonl").read_text().splitlines()) == 1
+
+
+def test_kept_checkpoints_restore_a_deleted_ledger_and_other_configurations_start_over(tiny_model_dir, tmp_path):
+    """What the train stage relies on under DVC, which deletes the adapter and its ledger (the stage's
+    outputs) before a rerun: the kept final checkpoint gives back the same adapter, log and ledger rows
+    without training; a checkpoint saved under another configuration is not resumed."""
+    ckpt = tmp_path / "ckpt"
+
+    def run(**kw):
+        cfg = TrainConfig(**{**FAST, "iterations": 2, **kw})
+        ledger = RolloutLedger(tmp_path / "ledger.jsonl")
+        manifest = train_adapter_mixture(tiny_model_dir, [TrainSource("cap", lambda: ParityEnv(max_steps=3), kv_tasks)],
+                                         cfg, tmp_path / "adapter", seed=0, ledger=ledger, name="cap", ckpt_dir=ckpt,
+                                         resume_key="k", keep_checkpoints=True)
+        return manifest, ledger, (tmp_path / "adapter" / "train_log.jsonl").read_bytes()
+
+    manifest, ledger, log = run()
+    rows, weights = ledger.rows(), lora_weights(tmp_path / "adapter")
+    assert (ckpt / "checkpoint-2" / "trace_state.json").is_file() and len(rows) == 2
+    (tmp_path / "adapter.timing.json").unlink()  # the rerun must write it again, from the checkpoint
+    ledger.path.unlink()
+    manifest, ledger, again = run()
+    assert again == log and ledger.rows() == rows and manifest.rollouts_used == 8
+    assert (tmp_path / "adapter.timing.json").is_file()
+    assert all(torch.equal(weights[k], v) for k, v in lora_weights(tmp_path / "adapter").items())
+    assert sorted(p.name for p in (tmp_path / "adapter" / "snapshots").iterdir()) == ["iter-1"]
+
+    with pytest.warns(UserWarning, match="another configuration"):
+        manifest, ledger, _ = run(learning_rate=2e-2)
+    assert ledger.rows() == rows and manifest.config["train"]["learning_rate"] == 2e-2  # trained anew, not added
 
 
 def test_reward_rises_on_a_learnable_toy_environment(tiny_model_dir, tmp_path):

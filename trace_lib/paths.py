@@ -182,6 +182,27 @@ class Paths:
         folder = self.train / BASELINES / name if baseline else self.train / name
         return folder / "rollouts.jsonl"
 
+    @property
+    def checkpoints(self) -> Path:
+        """`data/checkpoints/`: the train stage's checkpoints while it runs; no DVC output, so they
+        survive DVC deleting the stage's outputs before a rerun (resume after a crash)."""
+        return self.data / "checkpoints"
+
+    def checkpoint(self, name: str, baseline: bool = False) -> Path:
+        """`data/checkpoints/[_baselines/]<name>/`: one adapter's training checkpoints."""
+        return self.checkpoints / BASELINES / name if baseline else self.checkpoints / name
+
+    @property
+    def logs(self) -> Path:
+        """`data/logs/`: wall times and the like; no DVC output and nothing reads it as a dependency, so
+        a rerun's timings never make a cached artifact differ."""
+        return self.data / "logs"
+
+    def train_timing(self, name: str, baseline: bool = False) -> Path:
+        """`data/logs/train/[_baselines/]<name>.timing.json`: one adapter's seconds per iteration."""
+        folder = self.logs / "train" / BASELINES if baseline else self.logs / "train"
+        return folder / f"{name}.timing.json"
+
     # --- evaluate ---------------------------------------------------------------------------------
     @property
     def evaluate(self) -> Path:

@@ -184,3 +184,19 @@ def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: b
     if model_id.endswith(".gguf") and Path(model_id).is_file():
         return convert_gguf(Path(model_id), out_dir, dtype, force=force)
     return _pointer(model_id, out_dir, dtype)
+
+
+def numerics() -> dict[str, Any]:
+    """Which arithmetic produced a stage's numbers, for its metrics (not for cached artifacts).
+
+    Same seed and params give the same bytes on one machine whatever its load and for 1 or 2 torch
+    threads (checked on the default rollout); a CPU with another instruction set makes torch and oneDNN
+    pick other kernels (other rounding in bf16), so the bytes differ there. Setting
+    `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` before the run pins the kernels to a set every
+    recent x86-64 CPU has (slower); this record says which set a run used.
+    """
+    import torch
+
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
+            "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}

@@ -66,7 +66,7 @@ ADAPTER_COLUMNS = ("adapter", "backend", "rollouts", "iterations", "final_reward
 
 def adapter_table(manifests: Sequence[Any], timing: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
     """One row per adapter (AdapterManifest): rollouts spent, iterations, last iteration's mean reward and
-    seconds per iteration (`timing`: adapter -> its timing.json)."""
+    seconds per iteration (`timing`: adapter -> its timing record, `train.json`'s `timing`)."""
     return pd.DataFrame([{"adapter": m.capability_id, "backend": m.backend, "rollouts": m.rollouts_used,
                           "iterations": m.iterations, "final_reward": m.final_reward,
                           "seconds_per_iteration": timing[m.capability_id].get("seconds_per_iteration")}

@@ -35,6 +35,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from trace_lib.agent.model import numerics
 from trace_lib.agent.policy import load_policy
 from trace_lib.config import EnvConfig, EvaluateConfig, Params
 from trace_lib.envs import make_env
@@ -271,7 +272,7 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
                             "rollouts": r.budget, "budget_source": r.budget_source,
                             **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base")} if r.ran else {})}
                     for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route"))},
-        "routing": quality, "interference": interference, **(extra or {}),
+        "routing": quality, "interference": interference, "numerics": numerics(), **(extra or {}),
     }
     write_json(paths.metrics("evaluate"), metrics)
     return metrics

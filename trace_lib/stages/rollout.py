@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trace_lib.agent.model import numerics
 from trace_lib.agent.rollout import collect_rollouts, summarize
 from trace_lib.config import Params
 from trace_lib.envs import make_env, make_tasks, task_split
@@ -52,6 +53,7 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
         "constrained": params.rollout.constrained,
         "temperature": params.rollout.temperature,
         **summarize(trajectories),
+        "numerics": numerics(),
         "timing": {
             "seconds": round(timing.seconds, 2),
             "seconds_per_episode": round(timing.seconds / max(1, timing.episodes), 3),

@@ -6,7 +6,7 @@ each `env.py`, served by a sandbox process) and the synthesize stage's band-chec
 (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
 
     data/adapters/<capability>/          one adapter per environment (`trace_lib.training.trainer`
-                                         lists the folder: PEFT weights, train_log.jsonl, timing.json,
+                                         lists the folder: PEFT weights, train_log.jsonl,
                                          manifest.json, snapshots/)
     data/adapters/_baselines/<name>/     `train.baselines` at TRACE's total rollout budget: grpo_target
                                          (GRPO on the target's train tasks), merged_data (one adapter on
@@ -16,22 +16,30 @@ each `env.py`, served by a sandbox process) and the synthesize stage's band-chec
                                          each adapter's rollout ledger
     reports/train/<name>.csv             each adapter's curves under TRL's metric names (dvc plots)
     reports/metrics/train.json           backend, rollouts / iterations / final reward per adapter,
-                                         TRACE's budget, skipped baselines
+                                         TRACE's budget, skipped baselines, wall times (`timing`)
+    data/logs/train/[_baselines/]<name>.timing.json
+                                         each adapter's seconds per iteration (no DVC output: timings
+                                         stay out of cached artifacts)
 
-The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`.
+The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`. Checkpoints go
+to `data/checkpoints/` (no DVC output: DVC deletes a stage's outputs before it reruns the stage) and
+stay until the stage is done, so a rerun after a crash resumes each adapter from its last checkpoint,
+finished ones included, with its ledger rows as they were then.
 """
 
 from __future__ import annotations
 
+import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from trace_lib.agent.model import numerics
 from trace_lib.config import Params
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.inputs import trace_budget
-from trace_lib.io import write_json, write_jsonl
+from trace_lib.io import dumps_json, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.plots.train import write_train_csvs
 from trace_lib.records import AdapterManifest
@@ -40,6 +48,7 @@ from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.trainer import (
+    read_timing,
     read_train_log,
     resolve_train_backend,
     train_adapter_mixture,
@@ -70,12 +79,12 @@ def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weig
                        weight)
 
 
-def _fresh_ledger(path: Path, out_dir: Path, name: str) -> RolloutLedger:
-    """The adapter's ledger: kept when a checkpoint will resume the run, else started empty (a rerun
-    of the stage trains from scratch and must not count the previous run's rollouts)."""
-    if not (out_dir.parent / f".{name}.ckpt").is_dir():
-        path.unlink(missing_ok=True)
-    return RolloutLedger(path)
+def _resume_key(params: Params) -> str:
+    """The params the stage reads (dvc.yaml's `params:` of `train`, and the model): a checkpoint saved
+    under other values is not resumed (the trainer adds its own config and the environment's hash)."""
+    return dumps_json({"profile": params.profile, "seed": params.seed, "model": params.model.model_dump(mode="json"),
+                       "env": params.env.model_dump(mode="json"), "rollout.split": params.rollout.split,
+                       "synthesize": params.synthesize.model_dump(mode="json")})
 
 
 def run_train(params: Params, root: Path = Path("."), *, progress: bool = False) -> dict[str, Any]:
@@ -84,17 +93,21 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     model_dir = root / params.model.out_dir
     cfg = params.train
     envs = valid_envs(root)
+    resume = {"resume_key": _resume_key(params), "keep_checkpoints": True}
     manifests: list[AdapterManifest] = []
+    timing: dict[str, Path] = {}
     with ExitStack() as stack:
         boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, _sandbox_limits(params)))
                  for m in envs}
         for m in envs:
             source = _synthetic_source(boxes[m.capability_id], m.capability_id, params)
             out_dir = paths.adapter(m.capability_id)
+            timing[m.capability_id] = paths.train_timing(m.capability_id)
             manifests.append(train_adapter_mixture(
                 model_dir, [source], cfg, out_dir, seed=params.seed,
-                ledger=_fresh_ledger(paths.train_ledger(m.capability_id), out_dir, m.capability_id),
-                name=m.capability_id, progress=progress, env_sha256=m.sha256))
+                ledger=RolloutLedger(paths.train_ledger(m.capability_id)), name=m.capability_id, progress=progress,
+                env_sha256=m.sha256, ckpt_dir=paths.checkpoint(m.capability_id), timing_path=timing[m.capability_id],
+                **resume))
         budget = trace_budget(root, [m.capability_id for m in envs])["total"] if envs else 0
         per_iter = cfg.groups * cfg.group_size
         baselines = {"grpo_target": lambda: [_target_source(params, root)],
@@ -110,10 +123,11 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 continue
             bcfg = cfg.model_copy(update={"rollout_budget": budget, "iterations": budget // per_iter})
             out_dir = paths.adapter(name, baseline=True)
+            timing[name] = paths.train_timing(name, baseline=True)
             manifests.append(train_adapter_mixture(
                 model_dir, baselines[name](), bcfg, out_dir, seed=params.seed,
-                ledger=_fresh_ledger(paths.train_ledger(name, baseline=True), out_dir, name), name=name,
-                progress=progress))
+                ledger=RolloutLedger(paths.train_ledger(name, baseline=True)), name=name, progress=progress,
+                ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], **resume))
     write_jsonl(paths.adapter_manifests, manifests)
     write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths.train_logs)
     metrics = {
@@ -122,6 +136,9 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                                        "final_reward": m.final_reward} for m in manifests},
         "trace_budget": budget, "baselines_skipped": skipped,
         "note": "no validated environments: no adapters trained" if not envs else "",
+        "numerics": numerics(),
+        "timing": {name: read_timing(path) for name, path in timing.items()},
     }
     write_json(paths.metrics("train"), metrics)
+    shutil.rmtree(paths.checkpoints, ignore_errors=True)  # every adapter is written: nothing to resume
     return metrics

@@ -17,7 +17,7 @@ import json
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,23 @@ class RolloutLedger:
         if len(out) != len(rows) or self.truncated_tail:
             atomic_write_text(self.path, "".join(dumps_json(r) + "\n" for r in out))
         return dropped
+
+    def reset(self, stage: str, key: str, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Make `rows` the rows of (stage, key), after every other row; returns the rollouts dropped
+        (negative when `rows` holds more than the file did).
+
+        Used on resume with the rows saved in the checkpoint: the ledger then counts exactly the
+        rollouts behind it, whether the file holds rows of work done after the checkpoint (a crash) or
+        has lost rows (DVC removes a stage's outputs, this file among them, before it reruns the stage).
+        """
+        if any(r["stage"] != stage or r["key"] != key for r in rows):
+            raise ValueError(f"rows to restore must all be ({stage!r}, {key!r})")
+        current = self.rows()
+        ours = [r for r in current if r["stage"] == stage and r["key"] == key]
+        if ours != list(rows) or self.truncated_tail:
+            out = [r for r in current if not (r["stage"] == stage and r["key"] == key)] + [dict(r) for r in rows]
+            atomic_write_text(self.path, "".join(dumps_json(r) + "\n" for r in out))
+        return sum(int(r["rollouts"]) for r in ours) - sum(int(r["rollouts"]) for r in rows)
 
     def _repair_tail(self) -> None:
         """Cut a partial last line (left by a crash mid-append) so the next row starts on its own line."""

@@ -6,12 +6,14 @@ Reads the prepared model folder and one or more environments (a `make_env` facto
 
     out_dir/                      PEFT adapter (`PeftModel.from_pretrained(base, out_dir)` loads it)
     out_dir/train_log.jsonl       one row per iteration, no timings: the same seed gives the same bytes
-    out_dir/timing.json           seconds per iteration (rollout / total), kept out of the log
     out_dir/manifest.json         AdapterManifest
     out_dir/snapshots/iter-<k>/   the adapter after each earlier checkpoint + snapshot.json {iteration,
                                   rollouts} (`train.snapshots`): the scaling stage's budget points
 
 and appends every episode it rolls out to the caller's RolloutLedger (stage "train", key = name).
+Wall times (seconds per iteration, rollout and total) go to `timing_path` (default
+`out_dir.parent/<out_dir name>.timing.json`), outside the adapter folder: a cached artifact holds no
+timings, so the same seed gives the same adapter folder bytes.
 
 One iteration = one optimizer step of TRL's GRPOTrainer on G groups x K rollouts: the dataset
 rows are environment seeds (`seed_offset`, `seed_offset + 1`, ...; row g is group g), TRL repeats
@@ -21,17 +23,21 @@ objective (`epsilon`), the KL term (`beta`, 0 by default), optimizer and checkpo
 at its hooks: the rollout function and its loss mask (grpo.py); `AgentGRPOTrainer`, TRL's trainer
 whose `compute_loss` skips episodes whose mask is empty (TRL would still run their forward and
 backward passes); `TraceCallback`, which builds our log from TRL's metrics and saves our own state
-next to each TRL checkpoint; `_resume_state`, which picks the newest complete checkpoint and
-rewinds the ledger to it.
+next to each TRL checkpoint; `_resume_state`, which picks the newest complete checkpoint of the same
+configuration, whose ledger rows then replace the ledger's.
 
 Resume: TRL/HF checkpoints (adapter, optimizer, scheduler, RNG, trainer state) go to
-`out_dir.parent/.<name>.ckpt/checkpoint-<step>/` every `save_every` iterations, plus our
-`trace_state.json` (log rows, reward state incl. l_t, ledger rows). A restarted run continues from
-the newest checkpoint that has it and removes the folder once the adapter is written.
+`ckpt_dir/checkpoint-<step>/` (default `out_dir.parent/.<name>.ckpt/`) every `save_every` iterations,
+plus our `trace_state.json`, written last (log rows, reward state incl. l_t, the adapter's ledger rows,
+a fingerprint of the configuration). A restarted run continues from the newest checkpoint that has it
+and the same fingerprint (others are deleted), and removes the folder once the adapter is written
+unless the caller keeps it (`keep_checkpoints`: the train stage keeps every adapter's until the stage
+is done, because DVC deletes a stage's outputs, finished adapters included, before rerunning it).
 
 Budget: the adapter may spend `rollout_budget` (default iterations x G x K) rollouts; training
-runs as many whole iterations as the ledger's remaining budget pays for. Rows a lost run appended
-after its last checkpoint are dropped on restart: the ledger counts the rollouts behind the
+runs as many whole iterations as the ledger's remaining budget pays for. On (re)start the adapter's
+ledger rows are set to the checkpoint's (none without one): rows a lost run appended after its last
+checkpoint are dropped, rows the file lost are restored, so the ledger counts the rollouts behind the
 adapter it ends with.
 
 Backends: 'trl' loads the model with transformers and wraps it with PEFT; 'unsloth' (CUDA only)
@@ -40,6 +46,7 @@ uses `FastLanguageModel` for both, then the same trainer path.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -118,6 +125,16 @@ def lora_config(cfg: TrainConfig, model: Any):
                       target_modules=targets, bias="none", task_type="CAUSAL_LM")
 
 
+def stable_target_modules(model: Any) -> None:
+    """Make the PEFT config save the same bytes in every process: PEFT keeps `target_modules` as a set
+    and writes it to adapter_config.json in hash order, which changes with each interpreter's hash seed
+    (so a rerun of the same training changed data/adapters for DVC). A sorted list matches the same
+    modules."""
+    for peft_cfg in model.peft_config.values():
+        if isinstance(peft_cfg.target_modules, set):
+            peft_cfg.target_modules = sorted(peft_cfg.target_modules)
+
+
 def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
     """(Policy over the LoRA-wrapped model, base model id); the adapter is named 'default'."""
     import torch
@@ -137,6 +154,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
         model = FastLanguageModel.get_peft_model(
             model, r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
             target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed)
+        stable_target_modules(model)
         tokenizer.chat_template = tool_chat_template()
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -148,6 +166,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
     dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
     policy = load_policy(model_dir, dtype=dtype)
     policy.model = get_peft_model(policy.model, lora_config(cfg, policy.model))
+    stable_target_modules(policy.model)
     policy.set_adapter("default")  # generate with the adapter being trained, not the base model
     return policy, policy.base_id
 
@@ -256,15 +275,37 @@ def _round(v: Any) -> Any:
     return round(v, 6) + 0.0 if isinstance(v, float) else v  # + 0.0: no "-0.0" in the log
 
 
-def _resume_state(ckpt_root: Path) -> tuple[Path | None, dict[str, Any]]:
-    """The newest checkpoint that holds our state file (a crash mid-save leaves one without)."""
+def _fingerprint(cfg: TrainConfig, sources: Sequence[TrainSource], seed: int, env_sha256: str,
+                 resume_key: str) -> str:
+    """What a checkpoint is only valid under: the train config, seed, sources and the caller's key."""
+    what = {"train": cfg.model_dump(mode="json"), "seed": seed, "sources": {s.name: s.weight for s in sources},
+            "env_sha256": env_sha256, "resume_key": resume_key}
+    return hashlib.sha256(dumps_json(what).encode("utf-8")).hexdigest()
+
+
+def _resume_state(ckpt_root: Path, fingerprint: str) -> tuple[Path | None, dict[str, Any]]:
+    """The newest checkpoint that holds our state file (a crash mid-save leaves one without) saved
+    under `fingerprint`; when there is none, anything in `ckpt_root` is deleted (a crashed run of
+    another configuration must not be resumed, nor its files mixed with this run's)."""
     if ckpt_root.is_dir():
         found = sorted((int(p.name.split("-")[1]), p) for p in ckpt_root.glob("checkpoint-*")
                        if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
         if found:
             path = found[-1][1]
-            return path, read_json(path / STATE_FILE)
-    return None, {"iteration": 0, "ledger_rows": 0, "log": [], "timing": [], "reward": None}
+            state = read_json(path / STATE_FILE)
+            if state.get("fingerprint") == fingerprint:
+                return path, state
+            warnings.warn(f"{ckpt_root}: checkpoints of another configuration deleted; training starts over",
+                          stacklevel=3)
+        shutil.rmtree(ckpt_root)
+    return None, {"iteration": 0, "ledger": [], "log": [], "timing": [], "reward": None}
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """Remove the temp and old folders of `out_dir` that a process killed in `_replace_dir` left."""
+    for pattern in (f".{out_dir.name}.tmp-*", f".{out_dir.name}.old-*"):
+        for stale in out_dir.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
@@ -279,9 +320,15 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
 # --- training ---------------------------------------------------------------------------------------
 def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: TrainConfig, out_dir: Path, *,
                           seed: int, ledger: RolloutLedger, name: str, progress: bool = False,
-                          env_sha256: str = "") -> AdapterManifest:
+                          env_sha256: str = "", ckpt_dir: Path | None = None, resume_key: str = "",
+                          keep_checkpoints: bool = False, timing_path: Path | None = None) -> AdapterManifest:
     """Train one LoRA adapter with GRPO on one or more environments (see the module docstring for the
-    outputs); with several, each group's source is drawn with the sources' weights."""
+    outputs); with several, each group's source is drawn with the sources' weights.
+
+    `ckpt_dir` (default `out_dir.parent/.<name>.ckpt`) holds the checkpoints a restarted run resumes
+    from; `resume_key` is anything else they are only valid under (the caller's config); with
+    `keep_checkpoints` they stay after the adapter is written, for the caller to delete. `timing_path`
+    receives the wall times (module docstring)."""
     if len({s.name for s in sources}) != len(sources) or not sources:
         raise ValueError(f"need one or more sources with distinct names, got {[s.name for s in sources]}")
     if any(":" in s.name for s in sources):
@@ -293,12 +340,15 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     _micro_batch(cfg)
     per_iter = cfg.groups * cfg.group_size
     budget = cfg.rollout_budget or cfg.iterations * per_iter
-    ckpt_root = out_dir.parent / f".{name}.ckpt"
-    ckpt, state = _resume_state(ckpt_root)
-    dropped = ledger.rewind(STAGE, name, state["ledger_rows"])
-    if dropped:
-        warnings.warn(f"{ledger.path}: dropped {dropped} rollouts of {name!r} logged after the last checkpoint",
-                      stacklevel=2)
+    ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else out_dir.parent / f".{name}.ckpt"
+    if ckpt_root.resolve().is_relative_to(out_dir.resolve()):
+        raise ValueError(f"the checkpoints {ckpt_root} must live outside out_dir {out_dir} (out_dir is replaced whole)")
+    fingerprint = _fingerprint(cfg, sources, seed, env_sha256, resume_key)
+    ckpt, state = _resume_state(ckpt_root, fingerprint)
+    dropped = ledger.reset(STAGE, name, state["ledger"])
+    if dropped > 0:
+        warnings.warn(f"{ledger.path}: dropped {dropped} rollouts of {name!r} logged after the checkpoint resumed "
+                      f"({ckpt.name if ckpt else 'none: training starts over'})", stacklevel=2)
     done = int(state["iteration"])
     iterations = min(cfg.iterations, done + ledger.remaining(budget, STAGE, name) // per_iter)
     if iterations < 1:
@@ -316,11 +366,12 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     rollout = AgentRollout(policy, sources, cfg, reward, lambda n: ledger.add(STAGE, n, key=name), seed)
 
     def save_state(folder: Path, iteration: int) -> None:
-        write_json(folder / STATE_FILE, {"iteration": iteration, "ledger_rows": ledger.count(STAGE, name),
-                                         "log": run["log"], "timing": run["timing"],
-                                         "reward": reward.state_dict()})
-        if cfg.snapshots:
+        if cfg.snapshots:  # before the state file: a checkpoint that has one has its snapshot too
             keep_snapshot(folder, ckpt_root / SNAPSHOTS / f"iter-{iteration}", iteration, ledger.used(STAGE, name))
+        rows = [r for r in ledger.rows() if r["stage"] == STAGE and r["key"] == name]
+        write_json(folder / STATE_FILE, {"iteration": iteration, "ledger": rows, "log": run["log"],
+                                         "timing": run["timing"], "reward": reward.state_dict(),
+                                         "fingerprint": fingerprint})
 
     callback = TraceCallback(rollout, run, lambda: ledger.used(STAGE, name), save_state)
     trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress)
@@ -333,21 +384,21 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         config={"train": cfg.model_dump(mode="json"), "seed": seed,
                 "sources": {s.name: s.weight for s in sources}, "budget": budget},
     )
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a crash while writing
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_leftovers(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     policy.model.save_pretrained(tmp)
     atomic_write_text(tmp / "train_log.jsonl", "".join(dumps_json(r) + "\n" for r in run["log"]))
-    times = [t["seconds"] for t in run["timing"]]
-    write_json(tmp / "timing.json", {"iterations": run["timing"], "total_seconds": sum(times),
-                                     "seconds_per_iteration": sum(times) / len(times) if times else None})
     write_json(tmp / "manifest.json", manifest.model_dump(mode="json"))
     for snap in sorted((ckpt_root / SNAPSHOTS).glob("iter-*")):
         if int(snap.name.split("-")[1]) < len(run["log"]):  # the last one is the adapter itself
-            (tmp / SNAPSHOTS).mkdir(exist_ok=True)
-            os.replace(snap, tmp / SNAPSHOTS / snap.name)
+            shutil.copytree(snap, tmp / SNAPSHOTS / snap.name)  # copied: a kept checkpoint may be resumed
     _replace_dir(tmp, out_dir)
-    shutil.rmtree(ckpt_root, ignore_errors=True)
+    times = [t["seconds"] for t in run["timing"]]
+    write_json(timing_path or default_timing_path(out_dir),
+               {"iterations": run["timing"], "total_seconds": sum(times),
+                "seconds_per_iteration": sum(times) / len(times) if times else None})
+    if not keep_checkpoints:
+        shutil.rmtree(ckpt_root, ignore_errors=True)
     return manifest
 
 
@@ -401,6 +452,13 @@ def read_train_log(out_dir: Path) -> list[dict[str, Any]]:
     return list(iter_jsonl(Path(out_dir) / "train_log.jsonl"))
 
 
-def read_timing(out_dir: Path) -> dict[str, Any]:
-    """`out_dir/timing.json`: seconds per iteration, their total and mean (`seconds_per_iteration`)."""
-    return read_json(Path(out_dir) / "timing.json")
+def default_timing_path(out_dir: Path) -> Path:
+    """Where `train_adapter_mixture` writes the wall times when the caller names no `timing_path`."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f"{out_dir.name}.timing.json"
+
+
+def read_timing(path: Path) -> dict[str, Any]:
+    """A timing file (see `train_adapter_mixture`): seconds per iteration, their total and mean
+    (`seconds_per_iteration`)."""
+    return read_json(Path(path))
