@@ -19,10 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trace_lib.envs.limits import ToolLimits, ToolOutcome, call_limited
+from trace_lib.envs.limits import ToolLimits, ToolOutcome, call_guarded, call_limited
 from trace_lib.envs.said import texts_said
 from trace_lib.records import Message, Task, ToolCall
-from trace_lib.text import clean_text
 
 ToolKind = Literal["read", "write", "generic"]
 
@@ -193,13 +192,7 @@ class Environment(ABC):
         """`_execute` under the tool limits: a timeout, crash or huge result becomes an error or a cut
         observation, never an exception (module `limits`)."""
         if not self.isolate_tools:
-            try:
-                text, is_error = self._execute(call)
-            except Exception as err:  # a tool rejecting bad input is an observation, not a crash
-                return ToolOutcome(f"Error: {type(err).__name__}: {err}", True)
-            capped = len(text) > self.tool_limits.max_chars
-            return ToolOutcome(clean_text(text, self.tool_limits.max_chars), bool(is_error),
-                               "capped" if capped else None)
+            return call_guarded(lambda: self._execute(call), self.tool_limits)
         changes = self.tool_kinds().get(call.name, "write") == "write"  # read and generic tools change nothing
         return call_limited(lambda: self._execute(call), self.tool_limits, changes_state=changes)
 

@@ -63,10 +63,17 @@ def call_limited(run: Callable[[], tuple[str, bool]], limits: ToolLimits, *,
     """Run `run()` (one tool call, returning (text, is_error)) under `limits`; never raises for what
     the tool does. An exception from the tool becomes an error observation, as it would unguarded."""
     if not hasattr(os, "fork"):  # no fork (not POSIX): no hard limit, still the cap and the guard
-        return _finish(*_guarded(run), limits)
+        return call_guarded(run, limits)
     probe = _in_fork(run, limits)
     if probe.fault in ("timeout", "crash") or not changes_state:  # a crash is not repeated here, where
         return probe  # no memory limit holds and a dying interpreter takes the run with it
+    return call_guarded(run, limits)
+
+
+def call_guarded(run: Callable[[], tuple[str, bool]], limits: ToolLimits) -> ToolOutcome:
+    """`run()` in this process, without the time limit (for tools that already run out of process
+    under limits of their own): an exception becomes an error observation, the text is cleaned and
+    capped."""
     return _finish(*_guarded(run), limits)
 
 
