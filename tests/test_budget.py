@@ -18,7 +18,6 @@ def test_add_used_remaining(tmp_path):
     assert led.used(key="a") == 20
     assert led.remaining(20, "train", "a") == 4
     assert led.remaining(10, "train", "a") == 0
-    assert led.count("train", "a") == 2
     assert led.rows()[0] == {"stage": "train", "key": "a", "rollouts": 8}
     with pytest.raises(ValueError):
         led.add("train", -1)
@@ -44,16 +43,6 @@ def test_a_corrupt_line_in_the_middle_is_an_error(tmp_path):
     path.write_text(row + "not json\n" + row)
     with pytest.raises(ValueError, match="r.jsonl:2"):
         RolloutLedger(path).used()
-
-
-def test_rewind_keeps_the_first_rows_of_one_key(tmp_path):
-    led = RolloutLedger(tmp_path / "r.jsonl")
-    for n in (4, 4, 4):
-        led.add("train", n, key="a")
-    led.add("train", 5, key="b")
-    assert led.rewind("train", "a", 1) == 8
-    assert led.used("train", "a") == 4 and led.used("train", "b") == 5
-    assert led.rewind("train", "a", 5) == 0
 
 
 def test_reset_replaces_one_keys_rows_with_a_checkpoints(tmp_path):

@@ -282,7 +282,7 @@ def run_gepa(policy: Any, params: Any, root: Path, trace_total: int,
     cfg: EvaluateConfig = params.evaluate
     paths = Paths(root)
     ledger = RolloutLedger(paths.gepa_rollouts)
-    ledger.rewind(STAGE, "", 0)  # a rerun starts from an empty count
+    ledger.reset(STAGE, "", [])  # a rerun starts from an empty count
     train = {}
     for ecfg, _ in eval_targets(params.env, cfg, root):
         tasks = load_tasks(ecfg, "train", root)

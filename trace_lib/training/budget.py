@@ -63,10 +63,6 @@ class RolloutLedger:
         """Rollouts left of `budget` after what `stage`/`key` already used (never negative)."""
         return max(0, int(budget) - self.used(stage, key))
 
-    def count(self, stage: str, key: str = "") -> int:
-        """Number of rows for (stage, key) (what `rewind` takes)."""
-        return sum(1 for r in self.rows() if r["stage"] == stage and r["key"] == key)
-
     # --- writing ------------------------------------------------------------------------------
     def add(self, stage: str, rollouts: int, key: str = "") -> None:
         """Record `rollouts` episodes spent by `stage` (for `key`, e.g. an adapter or capability)."""
@@ -81,24 +77,6 @@ class RolloutLedger:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-    def rewind(self, stage: str, key: str, keep: int) -> int:
-        """Keep only the first `keep` rows of (stage, key), dropping later ones; returns rollouts dropped.
-
-        Used on resume: rows appended after the checkpoint being resumed belong to work that is redone.
-        """
-        rows = self.rows()
-        out, seen, dropped = [], 0, 0
-        for r in rows:
-            if r["stage"] == stage and r["key"] == key:
-                seen += 1
-                if seen > keep:
-                    dropped += int(r["rollouts"])
-                    continue
-            out.append(r)
-        if len(out) != len(rows) or self.truncated_tail:
-            atomic_write_text(self.path, "".join(dumps_json(r) + "\n" for r in out))
-        return dropped
 
     def reset(self, stage: str, key: str, rows: Sequence[Mapping[str, Any]]) -> int:
         """Make `rows` the rows of (stage, key), after every other row; returns the rollouts dropped
