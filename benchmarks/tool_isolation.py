@@ -57,7 +57,7 @@ def main() -> None:
     forks = []
     for _ in range(50):
         t0 = time.perf_counter()
-        call_limited(lambda: ("ok", False), ToolLimits(), changes_state=False)
+        call_limited(lambda: ("ok", False), ToolLimits())
         forks.append(time.perf_counter() - t0)
     print(f"fork of a no-op tool call with the model loaded: median {1000 * statistics.median(forks):.1f} ms")
 

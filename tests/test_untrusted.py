@@ -116,8 +116,8 @@ def test_odd_outputs_go_through_a_whole_rollout_and_are_counted(tmp_path):
 
 # --- tool limits -------------------------------------------------------------------------------
 def test_call_limited_passes_answers_and_errors_through():
-    assert call_limited(lambda: ("fine", False), ToolLimits(), changes_state=False).text == "fine"
-    out = call_limited(lambda: ("Error: no", True), ToolLimits(), changes_state=False)
+    assert call_limited(lambda: ("fine", False), ToolLimits()).text == "fine"
+    out = call_limited(lambda: ("Error: no", True), ToolLimits())
     assert (out.text, out.is_error, out.fault) == ("Error: no", True, None)
 
 
@@ -125,7 +125,7 @@ def test_a_tool_that_raises_is_an_error_observation():
     def boom():
         raise KeyError("order")
 
-    out = call_limited(boom, ToolLimits(), changes_state=True)
+    out = call_limited(boom, ToolLimits())
     assert out.is_error and out.text == "Error: KeyError: 'order'" and out.fault is None
 
 
@@ -135,19 +135,19 @@ def test_a_hanging_tool_is_stopped_within_the_limit():
             pass
 
     t0 = time.monotonic()
-    out = call_limited(spin, ToolLimits(seconds=0.5), changes_state=True)
+    out = call_limited(spin, ToolLimits(seconds=0.5))
     assert time.monotonic() - t0 < 2.0
     assert out.is_error and out.fault == "timeout" and "0.5 s" in out.text
 
 
 def test_a_huge_result_is_cut_with_a_marker():
-    out = call_limited(lambda: ("y" * 1_000_000, False), ToolLimits(max_chars=1000), changes_state=False)
+    out = call_limited(lambda: ("y" * 1_000_000, False), ToolLimits(max_chars=1000))
     assert out.fault == "capped" and not out.is_error
     assert out.text == "y" * 1000 + "…[999000 characters cut]"
 
 
 def test_a_tool_that_allocates_without_bound_fails_in_the_copy():
-    out = call_limited(lambda: ("x" * (8 << 30), False), ToolLimits(memory_mb=256), changes_state=False)
+    out = call_limited(lambda: ("x" * (8 << 30), False), ToolLimits(memory_mb=256))
     assert out.is_error and out.fault == "crash"
 
 
@@ -159,6 +159,22 @@ def test_a_state_changing_tool_changes_this_process():
     assert env.db["k1"] == 7
     res = env.step(Message(role="assistant", tool_calls=[ToolCall(id="d", name="get_value", arguments={"key": "k1"})]))
     assert json.loads(res.observations[0].content) == {"key": "k1", "value": 7}
+
+
+def test_a_tool_marked_read_that_writes_still_changes_this_process():
+    """The state does not hang on the read/write marks: a tool left at ToolSpec's default kind ('read')
+    that writes still writes here, not only in the forked copy."""
+    class Unmarked(KVEnv):
+        @property
+        def tools(self):
+            return [t.model_copy(update={"kind": "read"}) for t in KV_TOOLS]
+
+    env = Unmarked()
+    env.reset(kv_task(1))
+    assert env.tool_kinds()["set_value"] == "read"
+    env.step(Message(role="assistant", tool_calls=[ToolCall(id="c", name="set_value",
+                                                             arguments={"key": "k1", "value": 7})]))
+    assert env.db["k1"] == 7
 
 
 def test_env_counts_tool_faults_and_goes_on():
@@ -245,6 +261,6 @@ def test_a_tool_that_kills_its_interpreter_is_a_crash_and_not_repeated_here(how)
             os.kill(os.getpid(), signal.SIGSEGV)
         raise SystemExit(3)
 
-    out = call_limited(die, ToolLimits(), changes_state=True)
+    out = call_limited(die, ToolLimits())
     assert out.is_error and out.fault == "crash" and out.text == "Error: the tool crashed without an answer"
     assert calls == []  # only the forked copy ran it

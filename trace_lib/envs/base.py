@@ -193,8 +193,7 @@ class Environment(ABC):
         observation, never an exception (module `limits`)."""
         if not self.isolate_tools:
             return call_guarded(lambda: self._execute(call), self.tool_limits)
-        changes = self.tool_kinds().get(call.name, "write") == "write"  # read and generic tools change nothing
-        return call_limited(lambda: self._execute(call), self.tool_limits, changes_state=changes)
+        return call_limited(lambda: self._execute(call), self.tool_limits)
 
     @staticmethod
     def _tool_message(st: EpisodeState, call: ToolCall, outcome: ToolOutcome) -> Message:

@@ -1,6 +1,6 @@
 """Every built-in tool call under a wall-time limit and an output cap.
 
-Reads and writes nothing. `call_limited(run, limits, changes_state=...)` runs one tool call and
+Reads and writes nothing. `call_limited(run, limits)` runs one tool call and
 returns a `ToolOutcome`: the observation text (capped, with a marker), whether it is an error, and
 the fault kind when the limit, a crash or the cap stepped in ("timeout", "crash", "capped").
 
@@ -8,10 +8,12 @@ Why a forked process and not a thread or an alarm signal: a tool can stall insid
 nothing in the same process can interrupt (τ²'s `calculate` runs `eval` on the agent's expression,
 and `9**9**9**9` is a single big-integer power); only a process can be stopped from outside. So the
 call first runs in a forked copy of this process (the same state, copy-on-write, nothing to
-serialize; ~15-25 ms with the model loaded). If the copy answers within the limit, a read-only
-tool's answer is used as is; a tool that changes state is then run again here, so the change lands
-in this process (tools are deterministic functions of the state, so the second run is the first one
-again and cannot stall). A copy that outlives the limit is killed and the call becomes a tool error.
+serialize; ~35 ms with the model loaded). If the copy answers within the limit, the call is run again
+here, so whatever it changes lands in this process (tools are deterministic functions of the state,
+so the second run is the first one again and cannot stall; a tool's own work is microseconds next
+to the fork). Every call is run again, not only those of tools marked `write`: the state must not
+depend on the read/write marks being right. A copy that outlives the limit is killed and the call
+becomes a tool error; one that crashed is not repeated here.
 
 The forked copy also gets an address-space limit (its current size plus `memory_mb`), so a call
 that allocates without bound fails there with MemoryError instead of waking the OOM killer.
@@ -58,15 +60,14 @@ class ToolOutcome:
     fault: FaultKind | None = None
 
 
-def call_limited(run: Callable[[], tuple[str, bool]], limits: ToolLimits, *,
-                 changes_state: bool) -> ToolOutcome:
+def call_limited(run: Callable[[], tuple[str, bool]], limits: ToolLimits) -> ToolOutcome:
     """Run `run()` (one tool call, returning (text, is_error)) under `limits`; never raises for what
     the tool does. An exception from the tool becomes an error observation, as it would unguarded."""
     if not hasattr(os, "fork"):  # no fork (not POSIX): no hard limit, still the cap and the guard
         return call_guarded(run, limits)
     probe = _in_fork(run, limits)
-    if probe.fault in ("timeout", "crash") or not changes_state:  # a crash is not repeated here, where
-        return probe  # no memory limit holds and a dying interpreter takes the run with it
+    if probe.fault in ("timeout", "crash"):  # a crash is not repeated here, where no memory limit
+        return probe  # holds and a dying interpreter takes the run with it
     return call_guarded(run, limits)
 
 
