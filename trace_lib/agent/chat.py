@@ -203,6 +203,9 @@ def _cut_at_stop(text: str) -> str:
 class _NonFinite(ValueError):
     """A JSON number that no strict JSON writer can write back (NaN, Infinity, or one that overflows)."""
 
+    def reason(self, where: str) -> str:
+        return f"{where}: number {str(self)[:40]!r} is not finite (JSON has no NaN or Infinity)"
+
 
 def _strict_float(text: str) -> float:
     value = float(text)
@@ -227,7 +230,7 @@ def _call_from_json(body: str, params: dict[str, dict[str, Any]], where: str) ->
     try:
         obj = _load_call_json(_strip_fence(body))
     except _NonFinite as err:
-        return f"{where}: number {str(err)[:40]!r} is not finite (JSON has no NaN or Infinity)"
+        return err.reason(where)
     except (json.JSONDecodeError, RecursionError) as err:
         return f"{where}: bad JSON ({getattr(err, 'msg', type(err).__name__)})"
     if not isinstance(obj, dict):
@@ -242,7 +245,7 @@ def _call_from_json(body: str, params: dict[str, dict[str, Any]], where: str) ->
         try:
             args = _load_call_json(args) if args.strip() else {}
         except _NonFinite as err:
-            return f"{where}: number {str(err)[:40]!r} is not finite (JSON has no NaN or Infinity)"
+            return err.reason(where)
         except (json.JSONDecodeError, RecursionError):
             return f"{where}: arguments are a string that is not JSON"
     if args is None:

@@ -80,7 +80,8 @@ def _finish(ep: _Episode, policy_id: str, seed: int, adapter: str | None) -> Tra
         split=ep.task.split, policy_id=policy_id, adapter=adapter, seed=seed, sample=ep.sample,
         messages=st.messages, reward=reward, success=reward >= 1.0, termination=st.termination or "",
         tool_calls=st.tool_calls, invalid_actions=st.invalid_actions, tool_errors=st.tool_errors,
-        turns=st.steps, suspicious_turns=st.suspicious_turns, tool_faults=st.tool_faults, prompt_tokens=ep.prompt_tokens, completion_tokens=ep.completion_tokens,
+        turns=st.steps, suspicious_turns=st.suspicious_turns, tool_faults=st.tool_faults,
+        prompt_tokens=ep.prompt_tokens, completion_tokens=ep.completion_tokens,
         reward_info=info,
     )
 
