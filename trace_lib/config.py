@@ -94,7 +94,8 @@ class RolloutConfig(Section):
     agent's first turn of an episode a tool call (like tool_choice="required" for that turn only);
     'required' makes every turn a call (the episode then ends only through a tool or a limit)."""
     threads: int = Field(0, ge=0)
-    """torch CPU threads (0: leave torch's default)."""
+    """torch CPU threads for decoding (0: up to torch's default, fewer while other processes keep the
+    cores busy, agent/threads.py; n > 0: always n)."""
 
 
 class AnalystConfig(Section):
@@ -304,8 +305,8 @@ class TrainConfig(Section):
     iteration's token count), so only memory and float rounding depend on it. On CPU, 4 SmolLM2
     retail episodes (~2.7k tokens each) per pass peaked at 16.5 GB."""
     threads: int = Field(0, ge=0)
-    """torch CPU threads (0: leave torch's default). On a shared 2-core machine use 1: two OpenMP
-    threads competing with another process made decoding ~100x slower."""
+    """torch CPU threads (0: torch's default for the update; sampling runs on fewer while other
+    processes keep the cores busy, agent/threads.py; n > 0: always n)."""
 
 
 MethodName = Literal["base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route", "trace"]

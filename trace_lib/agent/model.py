@@ -186,6 +186,28 @@ def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: b
     return _pointer(model_id, out_dir, dtype)
 
 
+def _max_threads() -> int:
+    """torch's thread count (the most decoding uses where agent/threads.py governs it)."""
+    from trace_lib.agent.threads import governor
+
+    return governor().max_threads
+
+
+def _threads_governed() -> bool:
+    """Whether decoding ran on fewer threads while other processes kept the CPUs busy (agent/threads.py)."""
+    from trace_lib.agent.threads import governor
+
+    gov = governor()
+    return not gov.fixed and gov.max_threads > 1
+
+
+def _omp_wait_policy() -> str:
+    """How OpenMP threads wait (agent/threads.py): PASSIVE, ACTIVE, 'spin N' or libgomp's 'default'."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return os.environ["OMP_WAIT_POLICY"]
+    return f"spin {os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ else "default"
+
+
 def numerics() -> dict[str, Any]:
     """Which arithmetic produced a stage's numbers, for its metrics (not for cached artifacts).
 
@@ -199,4 +221,6 @@ def numerics() -> dict[str, Any]:
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
-            "threads": torch.get_num_threads(), "cuda": torch.cuda.is_available()}
+            "threads": _max_threads(), "threads_governed": _threads_governed(),
+            "omp_wait_policy": _omp_wait_policy(),
+            "cuda": torch.cuda.is_available()}

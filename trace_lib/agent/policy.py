@@ -41,6 +41,7 @@ from transformers.cache_utils import DynamicCache
 from trace_lib.agent.chat import parse_assistant, render_prompt, tool_chat_template
 from trace_lib.io import read_json
 from trace_lib.agent.kvcache import CASCADE, new_cache, shared_prefix, supports_cascade
+from trace_lib.agent.threads import govern_threads, set_threads
 from trace_lib.records import Message
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -236,6 +237,7 @@ class Policy:
             raise ValueError(f"{len(sessions)} session keys for {len(prompts)} prompts")
         torch.manual_seed(seed)
         t0 = time.perf_counter()
+        govern_threads()
         use_prefix = self.prefix_cache if use_prefix_cache is None else use_prefix_cache
         with self._adapter_context():
             prefix_len, prefix_kv = self._prefix_for(prompts) if use_prefix else (0, None)
@@ -315,6 +317,7 @@ class Policy:
                 if processor is not None:
                     processor.select_rows(keep.tolist())
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            govern_threads()
             out = self.model(
                 input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
                 position_ids=positions[:, None],
@@ -478,8 +481,7 @@ def load_policy(
     `attn_implementation`: 'cascade' (sdpa, plus kvcache.cascade_attention for the shared prompt
     prefix on CPU), or any transformers name ('sdpa', 'eager', ...).
     """
-    if threads > 0:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     load, base_id = resolve_model_path(model_dir)
     if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")

@@ -34,10 +34,9 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
                 for s in sorted({params.rollout.split, task_split(params.env.name, params.evaluate.split)})}
     for split, split_tasks in by_split.items():
         write_jsonl(paths.tasks(split), split_tasks)
-    if params.rollout.threads:
-        import torch
+    from trace_lib.agent.threads import set_threads  # torch is imported only when the stage runs
 
-        torch.set_num_threads(params.rollout.threads)
+    set_threads(params.rollout.threads)
     tasks = by_split[params.rollout.split][: params.rollout.max_tasks]
     if not tasks:
         raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")

@@ -59,6 +59,7 @@ from typing import Any
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from trace_lib.agent.threads import restore_threads, set_threads
 from trace_lib.config import TrainConfig
 from trace_lib.io import (
     atomic_write_text,
@@ -203,6 +204,7 @@ class AgentGRPOTrainer(GRPOTrainer):
     _score_mask: Any = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        restore_threads()  # sampling may have run on fewer threads (agent/threads.py); the update never does
         kept = drop_masked_rows(inputs)
         if kept is None:  # a zero loss still connected to the trainable weights, for backward()
             return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
@@ -354,10 +356,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     if iterations < 1:
         raise ValueError(f"rollout budget {budget} cannot pay for one iteration of {per_iter} rollouts")
 
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     policy, base_id = load_trainable(Path(model_dir), cfg, backend, seed)
     reward = make_reward(cfg.reward)
     if state["reward"] is not None:
