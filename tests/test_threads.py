@@ -93,3 +93,49 @@ def test_the_governed_count_does_not_change_decoded_tokens(tiny_model_dir) -> No
     finally:
         torch.set_num_threads(start)
     assert outs[0] == outs[1]
+
+
+def test_policy_generate_asks_the_governor_between_steps(tiny_model_dir, fake_cpu, monkeypatch) -> None:
+    """Beside a busy process, decoding drops to one thread; the GRPO update's restore brings two back."""
+    from trace_lib.agent.policy import load_policy
+    from trace_lib.records import Message
+
+    gov = ThreadGovernor(max_threads=2, check_every_s=0.0)
+    monkeypatch.setattr(threads, "_GOVERNOR", gov)
+    torch.set_num_threads(2)
+    fake_cpu.busy = 1.5
+    policy = load_policy(tiny_model_dir)
+    policy.generate([[Message(role="user", content="Hi")]], [], max_new_tokens=4)
+    assert torch.get_num_threads() == 1
+    threads.restore_threads()
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.slow
+def test_switching_threads_mid_decoding_keeps_the_tokens_of_smollm2(smollm2_dir, monkeypatch) -> None:
+    """The real model in bf16, 8 rows sampled at temperature 1: a thread count switched between every
+    decoding step (as the governor may) gives the tokens of a fixed 2 threads."""
+    from trace_lib.agent import policy as policy_module
+    from trace_lib.agent.policy import load_policy
+    from trace_lib.records import Message
+
+    policy = load_policy(smollm2_dir, dtype="bfloat16")
+    conv = [[Message(role="user", content=f"Where is my order #{1000 + i}?")] for i in range(8)]
+    start = torch.get_num_threads()
+    calls = []
+
+    def alternate() -> int:
+        calls.append(1)
+        torch.set_num_threads(1 + len(calls) % 2)
+        return torch.get_num_threads()
+
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(policy_module, "govern_threads", lambda: 2)
+        fixed = [g.text for g in policy.generate(conv, [], temperature=1.0, max_new_tokens=24, seed=5)]
+        monkeypatch.setattr(policy_module, "govern_threads", alternate)
+        switched = [g.text for g in policy.generate(conv, [], temperature=1.0, max_new_tokens=24, seed=5)]
+    finally:
+        torch.set_num_threads(start)
+    assert len(calls) > 10
+    assert switched == fixed

@@ -4,8 +4,8 @@ Reads /proc/stat and /proc/self/stat (Linux); elsewhere nothing changes. Writes 
 
 torch's CPU build runs its threads with GNU OpenMP, whose threads spin while they wait for each other
 at the end of every operator. When other work shares the cores, a spinning thread takes the core its
-descheduled partner needs: decoding at 2 threads fell to 0.05-0.34x of its idle speed beside one or
-two busy processes, below 1 thread (0.6-1.05x), while on an idle machine 2 threads are 1.3-1.8x faster
+descheduled partner needs: decoding at 2 threads fell to 0.05-0.35x of its idle speed beside one or
+two busy processes, below 1 thread (0.6-1.2x), while on an idle machine 2 threads are ~1.35x faster
 than 1 (benchmarks/threads_under_load.py). Making waiting threads sleep (`OMP_WAIT_POLICY=PASSIVE`)
 also avoids the collapse but costs 20-40% on an idle machine, for every run.
 
@@ -19,6 +19,7 @@ configured count (`restore_threads`).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ def pick_threads(others_busy: float, cpus: int, max_threads: int) -> int:
 
 @dataclass(frozen=True)
 class CpuSample:
-    """Jiffies since boot: all CPUs busy, all CPUs in total, this process (all its threads)."""
+    """Clock ticks since boot: the CPUs' busy and total time, this process's (all its threads)."""
 
     busy: int
     total: int
@@ -47,21 +48,39 @@ class CpuSample:
     cpus: int
 
 
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
 def read_cpu_sample() -> CpuSample | None:
-    """The machine's and this process's CPU time now (None where /proc is not readable)."""
+    """CPU time now of the CPUs this process may run on (its affinity: a container's or `taskset`'s
+    cores, not the whole host) and of this process; None where /proc is not readable."""
     try:
         with open("/proc/stat") as f:
             lines = f.read().splitlines()
         with open("/proc/self/stat") as f:
             own_fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+        own = int(own_fields[11]) + int(own_fields[12])  # utime + stime (fields 14 and 15 of the whole line)
+        allowed = _allowed_cpus()
+        busy = total = cpus = 0
+        for line in lines:
+            name, *fields = line.split()
+            if not (name.startswith("cpu") and name[3:].isdigit()):
+                continue
+            if allowed is not None and int(name[3:]) not in allowed:
+                continue
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # minus idle and iowait
+            cpus += 1
+    except (OSError, ValueError, IndexError):
         return None
-    cpu = [int(x) for x in lines[0].split()[1:]]
-    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)  # idle + iowait
-    total = sum(cpu[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
-    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
-    own = int(own_fields[11]) + int(own_fields[12])  # utime + stime (fields 14 and 15 of the whole line)
-    return CpuSample(busy=total - idle, total=total, own=own, cpus=cpus)
+    if cpus == 0:
+        return None
+    return CpuSample(busy=busy, total=total, own=own, cpus=cpus)
 
 
 def others_busy(before: CpuSample, after: CpuSample) -> float | None:
@@ -136,4 +155,5 @@ def govern_threads() -> int:
 
 
 def restore_threads() -> None:
+    """The full thread count again (before the GRPO update's log-probs and loss)."""
     governor().restore()

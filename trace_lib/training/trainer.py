@@ -204,7 +204,6 @@ class AgentGRPOTrainer(GRPOTrainer):
     _score_mask: Any = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        restore_threads()  # sampling may have run on fewer threads (agent/threads.py); the update never does
         kept = drop_masked_rows(inputs)
         if kept is None:  # a zero loss still connected to the trainable weights, for backward()
             return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
@@ -217,6 +216,9 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
+        # every log-prob pass (loss, old and reference log-probs) runs at the full thread count: sampling may
+        # have run on fewer (agent/threads.py)
+        restore_threads()
         if not self.shared_prompt or compute_aux_loss or any(v is not None for v in extra.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
