@@ -193,8 +193,9 @@ def _max_threads() -> int:
     return governor().max_threads
 
 
-def _threads_governor() -> bool:
-    """Whether decoding may run on fewer threads while other processes keep the CPUs busy (agent/threads.py)."""
+def _threads_governed() -> bool:
+    """Whether the governor was on: decoding may then have run on fewer threads while other processes kept
+    the CPUs busy (agent/threads.py); False where `threads` fixed the count."""
     from trace_lib.agent.threads import governor
 
     gov = governor()
@@ -221,6 +222,6 @@ def numerics() -> dict[str, Any]:
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
-            "threads": _max_threads(), "threads_governor": _threads_governor(),
+            "threads": _max_threads(), "threads_governed": _threads_governed(),
             "omp_wait_policy": _omp_wait_policy(),
             "cuda": torch.cuda.is_available()}
