@@ -117,6 +117,16 @@ def run_trl_environment_factory(model_dir: Path, box: SandboxProcess, params, cf
                                      for r in logs)}
 
 
+def row_result(rollouts: int, iterations: int, wall: float, step: float, sampling: float, trained_tokens: int | None,
+               completion_tokens: int, rewards: list[float], **extra) -> dict:
+    """One row of the table: seconds per rollout of the timed steps, split into sampling and update."""
+    return {"rollouts": rollouts, "iterations": iterations, "wall_seconds": round(wall, 1),
+            "step_seconds": round(step, 1), "seconds_per_rollout": round(step / rollouts, 2),
+            "sampling_per_rollout": round(sampling / rollouts, 2),
+            "update_per_rollout": round((step - sampling) / rollouts, 2),
+            "trained_tokens": trained_tokens, "completion_tokens": completion_tokens, "rewards": rewards, **extra}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default="data/model")
@@ -148,44 +158,33 @@ def main() -> None:
                 if row in TRL_ENV_ROWS:
                     r = run_trl_environment_factory(Path(args.model_dir), box, params, base, args.capability, out,
                                                     TRL_ENV_ROWS[row])
-                    n = r["rollouts"]
-                    results[row] = {"rollouts": n, "iterations": base.iterations, "wall_seconds": round(r["seconds"], 1),
-                                    "step_seconds": round(r["seconds"], 1),
-                                    "seconds_per_rollout": round(r["seconds"] / n, 2),
-                                    "sampling_per_rollout": round(r["sampling"] / n, 2),
-                                    "update_per_rollout": round((r["seconds"] - r["sampling"]) / n, 2),
-                                    "trained_tokens": None, "completion_tokens": r["completion_tokens"],
-                                    "rewards": r["rewards"], "tool_metrics": r["tool_metrics"]}
-                    print(row, json.dumps(results[row]), flush=True)
-                    continue
-                cfg = base.model_copy(update=ROWS[row])
-                t0 = time.perf_counter()
-                manifest = train_adapter_mixture(Path(args.model_dir), [source], cfg, out, seed=params.seed,
-                                                 ledger=RolloutLedger(Path(tmp) / f"{row}.ledger.jsonl"), name=row)
-                wall = time.perf_counter() - t0
-                timing = read_timing(default_timing_path(out))["iterations"]
-                log = read_train_log(out)
-                n = manifest.rollouts_used
-                step = sum(t["seconds"] for t in timing)
-                sampling = sum(t.get("rollout_seconds", 0.0) for t in timing)
-                results[row] = {"rollouts": n, "iterations": len(log), "wall_seconds": round(wall, 1),
-                                "step_seconds": round(step, 1), "seconds_per_rollout": round(step / n, 2),
-                                "sampling_per_rollout": round(sampling / n, 2),
-                                "update_per_rollout": round((step - sampling) / n, 2),
-                                "trained_tokens": sum(r["trained_tokens"] for r in log),
-                                "completion_tokens": sum(r["completion_tokens"] for r in log),
-                                "rewards": [r["reward"] for r in log]}
+                    results[row] = row_result(
+                        r["rollouts"], base.iterations, r["seconds"], r["seconds"], r["sampling"], None,
+                        r["completion_tokens"], r["rewards"], tool_metrics=r["tool_metrics"])
+                else:
+                    cfg = base.model_copy(update=ROWS[row])
+                    t0 = time.perf_counter()
+                    manifest = train_adapter_mixture(Path(args.model_dir), [source], cfg, out, seed=params.seed,
+                                                     ledger=RolloutLedger(Path(tmp) / f"{row}.ledger.jsonl"),
+                                                     name=row)
+                    wall = time.perf_counter() - t0
+                    timing = read_timing(default_timing_path(out))["iterations"]
+                    log = read_train_log(out)
+                    results[row] = row_result(
+                        manifest.rollouts_used, len(log), wall, sum(t["seconds"] for t in timing),
+                        sum(t.get("rollout_seconds", 0.0) for t in timing), sum(r["trained_tokens"] for r in log),
+                        sum(r["completion_tokens"] for r in log), [r["reward"] for r in log])
                 print(row, json.dumps(results[row]), flush=True)
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "
           f"group_size={base.group_size} threads={args.threads} torch={torch.__version__}")
     refs = [ref for ref in ("trl-env", "trl") if ref in results]
-    print("| row | rollouts | s/rollout | sampling s/rollout | update s/rollout | "
-          + " | ".join(f"vs {ref}" for ref in refs) + " |")
+    print("| row | rollouts | s/rollout | sampling s/rollout | update s/rollout |"
+          + "".join(f" vs {ref} |" for ref in refs))
     print("| --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(refs))
     for row, r in results.items():
-        ratios = [f"{r['seconds_per_rollout'] / results[ref]['seconds_per_rollout']:.2f}x" for ref in refs]
+        ratios = [f" {r['seconds_per_rollout'] / results[ref]['seconds_per_rollout']:.2f}x |" for ref in refs]
         print(f"| {row} | {r['rollouts']} | {r['seconds_per_rollout']} | {r['sampling_per_rollout']} | "
-              f"{r['update_per_rollout']} | " + " | ".join(ratios) + " |")
+              f"{r['update_per_rollout']} |" + "".join(ratios))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -186,20 +186,14 @@ def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: b
     return _pointer(model_id, out_dir, dtype)
 
 
-def _max_threads() -> int:
-    """torch's thread count (the most decoding uses where agent/threads.py governs it)."""
-    from trace_lib.agent.threads import governor
-
-    return governor().max_threads
-
-
-def _threads_governed() -> bool:
-    """Whether the governor was on: decoding may then have run on fewer threads while other processes kept
-    the CPUs busy (agent/threads.py); False where `threads` fixed the count."""
+def _thread_record() -> dict[str, Any]:
+    """torch's thread count (the most decoding uses) and whether the governor was on: decoding may then
+    have run on fewer threads while other processes kept the CPUs busy (agent/threads.py); False where
+    `threads` fixed the count."""
     from trace_lib.agent.threads import governor
 
     gov = governor()
-    return not gov.fixed and gov.max_threads > 1
+    return {"threads": gov.max_threads, "threads_governed": not gov.fixed and gov.max_threads > 1}
 
 
 def _omp_wait_policy() -> str:
@@ -222,6 +216,5 @@ def numerics() -> dict[str, Any]:
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
-            "threads": _max_threads(), "threads_governed": _threads_governed(),
-            "omp_wait_policy": _omp_wait_policy(),
+            **_thread_record(), "omp_wait_policy": _omp_wait_policy(),
             "cuda": torch.cuda.is_available()}
