@@ -12,6 +12,8 @@ weights' dtype:
     ours       training/shared_prompt.py: each group's prompt once, only the agent's tokens scored,
                bf16 base weights, the whole iteration in one pass
     ours-free  the same, sampled as TRL's loop samples: no grammar, no forced first tool call
+    ours-nostem  `ours` with every row prefilling its own prompt (no shared stems: the K episodes of a
+               group compute a tool result they all got K times; `agent/policy.py`)
     trl-env    TRL's own multi-turn loop instead of the train stage's: `GRPOTrainer(environment_factory=
                ...)` on the same synthetic environment (`envs.synthetic.to_trl_environment_factory`: one
                method per target tool, the task's customer opening from `reset`, the module's verdict as
@@ -39,6 +41,7 @@ import torch
 from datasets import Dataset
 from transformers import set_seed
 
+import trace_lib.agent.policy as policy_mod
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
@@ -54,7 +57,9 @@ ROWS = {
     "ours": {"shared_prompt": True, "dtype": "bfloat16"},
     # what TRL's environment_factory loop can do: no grammar, no forced first tool call
     "ours-free": {"shared_prompt": True, "dtype": "bfloat16", "constrained": False, "tool_choice": "auto"},
+    "ours-nostem": {"shared_prompt": True, "dtype": "bfloat16"},
 }
+NO_STEMS = {"ours-nostem"}
 TRL_ENV_ROWS = {"trl-env": "float32", "trl-env-bf16": "bfloat16"}
 
 
@@ -144,6 +149,7 @@ def main() -> None:
         "iterations": args.iterations, "save_every": args.iterations, "snapshots": False,
         **({"groups": args.groups} if args.groups else {}), **({"group_size": args.group_size} if args.group_size else {})})
     results: dict[str, dict] = {}
+    stem_saving = policy_mod.MIN_STEM_SAVING
     with tempfile.TemporaryDirectory() as tmp:
         module = Path(tmp) / "env.py"
         module.write_text(render_template_module(args.capability, target_spec(params.env),
@@ -163,6 +169,7 @@ def main() -> None:
                         r["completion_tokens"], r["rewards"], tool_metrics=r["tool_metrics"])
                 else:
                     cfg = base.model_copy(update=ROWS[row])
+                    policy_mod.MIN_STEM_SAVING = 10**9 if row in NO_STEMS else stem_saving
                     t0 = time.perf_counter()
                     manifest = train_adapter_mixture(Path(args.model_dir), [source], cfg, out, seed=params.seed,
                                                      ledger=RolloutLedger(Path(tmp) / f"{row}.ledger.jsonl"),
@@ -173,7 +180,9 @@ def main() -> None:
                     results[row] = row_result(
                         manifest.rollouts_used, len(log), wall, sum(t["seconds"] for t in timing),
                         sum(t.get("rollout_seconds", 0.0) for t in timing), sum(r["trained_tokens"] for r in log),
-                        sum(r["completion_tokens"] for r in log), [r["reward"] for r in log])
+                        sum(r["completion_tokens"] for r in log), [r["reward"] for r in log],
+                        **{key: round(sum(t.get(key, 0) for t in timing), 2) for key in
+                           ("prefill_seconds", "decode_seconds", "prompt_tokens_computed")})
                 print(row, json.dumps(results[row]), flush=True)
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "
           f"group_size={base.group_size} threads={args.threads} torch={torch.__version__}")

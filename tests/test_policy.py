@@ -235,3 +235,52 @@ def test_a_session_is_reused_only_as_far_as_the_prompt_repeats_it(policy):
     assert first and texts(again) == texts(ref)
     with pytest.raises(ValueError, match="2 session keys for 1 prompts"):
         policy.generate([conv], TOOLS, temperature=0.0, max_new_tokens=2, seed=0, sessions=["a", "b"])
+
+
+def test_shared_stems_groups_rows_that_repeat_one_another_beyond_their_cache():
+    from trace_lib.agent.policy import shared_stems
+
+    common = list(range(100, 160))  # 60 tokens every row of the pair has to compute
+    prompts = [common + [1, 2], [7] * 40, common + [3], common[:30] + [9] * 20]
+    # rows 0 and 2 share 60 tokens, row 3 30 of them: three rows at 30 save as much as two at 60
+    assert shared_stems(prompts, [0, 0, 0, 0]) == [([0, 2, 3], 30)]
+    # with everything up to 50 cached by rows 0 and 2, row 3 adds nothing: only the pair is worth it
+    assert shared_stems(prompts, [50, 0, 50, 0]) == []  # 10 tokens saved is below MIN_STEM_SAVING
+    assert shared_stems(prompts, [20, 0, 20, 40]) == [([0, 2], 60)]
+    # a row that already has the stretch cached lends it to the other (saving 60 - 0)
+    assert shared_stems([common + [1], common + [2]], [0, 59]) == [([0, 1], 60)]
+    # every row keeps at least one token to compute
+    assert shared_stems([common, common], [0, 0]) == [([0, 1], 59)]
+    assert shared_stems([common], [0]) == [] and shared_stems([[1] * 20, [2] * 20], [0, 0]) == []
+
+
+@pytest.mark.parametrize("impl", ["cascade", "sdpa"])
+def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, monkeypatch):
+    import trace_lib.agent.policy as policy_mod
+
+    pol = load_policy(tiny_model_dir, attn_implementation=impl)
+    pol.stop_ids = [-1]
+    keys = [("g", i) for i in range(4)]
+    long_result = "order #W1: " + "item, " * 40
+
+    def play():
+        pol.clear_prefix_cache()
+        conversations = [convs(1)[0] for _ in range(3)] + [convs(2)[1]]  # rows 0-2 open alike, row 3 differs
+        outs = []
+        for turn in range(2):
+            gens = pol.generate(conversations, TOOLS, temperature=0.0, max_new_tokens=4, seed=turn, sessions=keys)
+            outs.append(texts(gens))
+            for i, conv in enumerate(conversations):  # the same reply to each row, then a row-specific one
+                conv += [Message(role="assistant", content="Looking."), Message(role="user", content=long_result),
+                         Message(role="assistant", content="ok"), Message(role="user", content=f"row {i}")]
+        pol.end_sessions(keys)
+        return outs
+
+    before = pol.stats.cached_prompt_tokens
+    shared = play()
+    saved = pol.stats.cached_prompt_tokens - before
+    monkeypatch.setattr(policy_mod, "MIN_STEM_SAVING", 10**9)  # no stems: each row computes its own
+    before = pol.stats.cached_prompt_tokens
+    separate = play()
+    assert shared == separate
+    assert saved > pol.stats.cached_prompt_tokens - before + 2 * 50  # rows 1 and 2 did not compute the result

@@ -18,6 +18,10 @@ chosen adapter or none).
   are kept when its turn ends, and the episode's next turn reuses them up to the first token where
   the new prompt differs (normally the whole previous prompt and the generated turn), so a turn
   only prefills what is new (the tool results or user reply);
+* shared stems: rows whose prompts repeat one another beyond what they have cached (the K
+  episodes of a GRPO group after the same first tool call, which returned the same long result)
+  have that common stretch computed once, in a batch of its own, and every row of the group starts
+  from its KV states (`shared_stems`); measured in `benchmarks/train_step.py`;
 * a preallocated KV buffer (no `torch.cat` of the whole cache at every step);
 * finished rows leave the batch, so a batch costs what its live rows cost.
 
@@ -47,6 +51,8 @@ from trace_lib.records import Message
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_PREFIX_TOKENS = 16
 """Shorter shared prefixes are not worth a separate forward pass."""
+MIN_STEM_SAVING = 16
+"""A shared stem is computed separately only when it saves at least this many token-forwards."""
 MAX_SESSIONS = 256
 """Episodes whose KV states are kept between turns (~23 KB per token each for SmolLM2-135M in bf16)."""
 
@@ -264,23 +270,44 @@ class Policy:
     def _keep(self, key: Hashable, head: tuple[str | None, tuple[int, ...]], prompt: list[int], prefix_len: int,
               fed: list[int], cache: Any, mask: torch.Tensor, j: int) -> None:
         """Store row j's KV states after the shared prefix (its valid positions) under `key`."""
-        valid = mask[j, prefix_len:].bool()
-        kv = []
-        for layer in cache.layers:
-            k, v = layer.keys[j], layer.values[j]  # (hkv, stored, d); stored positions end at the mask's end
-            k, v = k[:, k.shape[1] - valid.numel():], v[:, v.shape[1] - valid.numel():]
-            kv.append((k[:, valid], v[:, valid]))
-        ids = prompt[prefix_len:] + fed
-        assert kv[0][0].shape[1] == len(ids), (kv[0][0].shape, len(ids))
         self._sessions.pop(key, None)
-        self._sessions[key] = _Session(head, ids, kv)
+        self._sessions[key] = _row_session(head, prompt[prefix_len:] + fed, cache, mask, j, prefix_len)
         while len(self._sessions) > MAX_SESSIONS:  # the oldest first
             self._sessions.pop(next(iter(self._sessions)))
+
+    def _with_stems(self, prompts, prefix_len, prefix_kv, cascade, head, reused):
+        """`reused` extended by shared stems (see `shared_stems`), and the stem tokens computed for them.
+
+        Each stem is the common stretch of its rows' prompts after the most their members have
+        cached; it is prefilled once (all stems in one batch, from the base row's own session) and
+        each member row then reuses it like a kept session. The KV states of a position depend only
+        on the tokens up to it, so this is the computation each row would have done.
+        """
+        kept = [0 if r is None else len(r.ids) for r in reused]
+        stems = shared_stems(prompts, [prefix_len + k for k in kept])
+        if not stems:
+            return reused, 0
+        # The other rows compute all but their last token in the same pass: the second pass is then
+        # as narrow as the stems' tails (padded to its widest row, a long row there would make every
+        # row pay for its width).
+        grouped = {i for rows, _ in stems for i in rows}
+        stems += [([i], len(p) - 1) for i, p in enumerate(prompts)
+                  if i not in grouped and len(p) - 1 > prefix_len + kept[i]]
+        bases = [max(rows, key=lambda i: kept[i]) for rows, _ in stems]
+        stem_prompts = [prompts[b][:end] for b, (_, end) in zip(bases, stems)]
+        _, cache, mask = self._prefill(stem_prompts, prefix_len, prefix_kv, 0, cascade, [reused[b] for b in bases])
+        out = list(reused)
+        for j, (rows, end) in enumerate(stems):
+            session = _row_session(head, stem_prompts[j][prefix_len:], cache, mask, j, prefix_len)
+            for i in rows:
+                out[i] = session
+        return out, sum(end - prefix_len - kept[b] for b, (_, end) in zip(bases, stems))
 
     def _decode(self, prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens, seed,
                 processor, t0, sessions=None):
         head = (self.adapter, tuple(prompts[0][:prefix_len]))  # what kept sessions must have been computed under
         reused = self._reusable(prompts, prefix_len, sessions, head)
+        reused, stem_tokens = self._with_stems(prompts, prefix_len, prefix_kv, cascade, head, reused)
         logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade, reused)
         t1 = time.perf_counter()
 
@@ -332,7 +359,8 @@ class Policy:
         self.stats.calls += 1
         self.stats.sequences += n
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        self.stats.cached_prompt_tokens += prefix_len * n + sum(len(r.ids) for r in reused if r is not None)
+        reused_tokens = sum(len(r.ids) for r in reused if r is not None)
+        self.stats.cached_prompt_tokens += prefix_len * n + reused_tokens - stem_tokens
         self.stats.completion_tokens += sum(len(o) for o in outs)
         self.stats.prefill_seconds += t1 - t0
         self.stats.decode_seconds += t2 - t1
@@ -425,6 +453,47 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def shared_stems(prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> list[tuple[list[int], int]]:
+    """Groups of rows worth computing a common stretch of their prompts once: (rows, end).
+
+    Row i still has to compute its prompt from `starts[i]` on. A group's rows share their first
+    `end` tokens; computing positions max(start)..end once instead of every row's start..end
+    saves sum(end - start_i) - (end - max start) token-forwards, and a group is kept when that is at
+    least MIN_STEM_SAVING. Every row keeps at least its last token to compute. Rows are grouped
+    greedily in sorted order (where rows with long common prefixes are neighbours).
+    """
+    def saving(rows: list[int], end: int) -> int:
+        return sum(max(0, end - starts[i]) for i in rows) - max(0, end - max(starts[i] for i in rows))
+
+    order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))
+    groups: list[tuple[list[int], int]] = []
+    rows: list[int] = []
+    end = 0
+    for i in order:
+        if rows:
+            common = _common_prefix(prompts[rows[-1]], prompts[i], min(end, len(prompts[i]) - 1))
+            if common > max(starts[r] for r in [*rows, i]) and saving([*rows, i], common) > saving(rows, end):
+                rows, end = [*rows, i], common
+                continue
+            groups.append((rows, end))
+        rows, end = [i], len(prompts[i]) - 1
+    groups.append((rows, end))
+    return [(sorted(g), e) for g, e in groups if len(g) > 1 and saving(g, e) >= MIN_STEM_SAVING]
+
+
+def _row_session(head: tuple[str | None, tuple[int, ...]], ids: list[int], cache: Any, mask: torch.Tensor, j: int,
+                 prefix_len: int) -> _Session:
+    """Row j's KV states after the shared prefix (its valid positions), as a session over `ids`."""
+    valid = mask[j, prefix_len:].bool()
+    kv = []
+    for layer in cache.layers:
+        k, v = layer.keys[j], layer.values[j]  # (hkv, stored, d); stored positions end at the mask's end
+        k, v = k[:, k.shape[1] - valid.numel():], v[:, v.shape[1] - valid.numel():]
+        kv.append((k[:, valid], v[:, valid]))
+    assert kv[0][0].shape[1] == len(ids), (kv[0][0].shape, len(ids))
+    return _Session(head, ids, kv)
 
 
 def _causal_4d(mask: torch.Tensor, prefix_len: int) -> torch.Tensor:

@@ -135,6 +135,7 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
     """Run the episodes to the end, batched per tool set; returns generation timings."""
     live = [ep for ep in episodes if not ep.env.done]
     call, gen_s = 0, 0.0
+    before = dict(vars(policy.stats))
     while live:
         for _, batch in groupby(sorted(live, key=lambda e: e.source), key=lambda e: e.source):
             batch = list(batch)
@@ -159,7 +160,13 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
                 _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
         policy.end_sessions([ep.key for ep in live if ep.env.done])
         live = [ep for ep in live if not ep.env.done]
-    return {"generate_seconds": gen_s, "generate_calls": call}
+    after = vars(policy.stats)
+    return {"generate_seconds": gen_s, "generate_calls": call,
+            "prefill_seconds": after["prefill_seconds"] - before["prefill_seconds"],
+            "decode_seconds": after["decode_seconds"] - before["decode_seconds"],
+            "prompt_tokens_computed": (after["prompt_tokens"] - after["cached_prompt_tokens"])
+            - (before["prompt_tokens"] - before["cached_prompt_tokens"]),
+            "completion_tokens": after["completion_tokens"] - before["completion_tokens"]}
 
 
 def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_result_tokens: int) -> None:
