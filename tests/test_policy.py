@@ -243,7 +243,9 @@ def test_shared_stems_groups_rows_that_repeat_one_another_beyond_their_cache():
     common = list(range(100, 160))  # 60 tokens every row of the pair has to compute
     prompts = [common + [1, 2], [7] * 40, common + [3], common[:30] + [9] * 20]
     # rows 0 and 2 share 60 tokens, row 3 30 of them: three rows at 30 save as much as two at 60
-    assert shared_stems(prompts, [0, 0, 0, 0]) == [([0, 2, 3], 30)]
+    assert shared_stems(prompts, [0, 0, 0, 0], max_tail=100) == [([0, 2, 3], 30)]
+    # but their tails after 30 tokens would be long: by default a row's tail is at most MAX_STEM_TAIL
+    assert shared_stems(prompts, [0, 0, 0, 0]) == [([0, 2], 60)]
     # with everything up to 50 cached by rows 0 and 2, row 3 adds nothing: only the pair is worth it
     assert shared_stems(prompts, [50, 0, 50, 0]) == []  # 10 tokens saved is below MIN_STEM_SAVING
     assert shared_stems(prompts, [20, 0, 20, 40]) == [([0, 2], 60)]

@@ -53,6 +53,8 @@ MIN_PREFIX_TOKENS = 16
 """Shorter shared prefixes are not worth a separate forward pass."""
 MIN_STEM_SAVING = 16
 """A shared stem is computed separately only when it saves at least this many token-forwards."""
+MAX_STEM_TAIL = 8
+"""Longest part of a row's prompt after its shared stem (see `shared_stems`)."""
 MAX_SESSIONS = 256
 """Episodes whose KV states are kept between turns (~23 KB per token each for SmolLM2-135M in bf16)."""
 
@@ -455,15 +457,20 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return i
 
 
-def shared_stems(prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> list[tuple[list[int], int]]:
+def shared_stems(prompts: Sequence[Sequence[int]], starts: Sequence[int],
+                 max_tail: int | None = None) -> list[tuple[list[int], int]]:
     """Groups of rows worth computing a common stretch of their prompts once: (rows, end).
 
     Row i still has to compute its prompt from `starts[i]` on. A group's rows share their first
     `end` tokens; computing positions max(start)..end once instead of every row's start..end
     saves sum(end - start_i) - (end - max start) token-forwards, and a group is kept when that is at
-    least MIN_STEM_SAVING. Every row keeps at least its last token to compute. Rows are grouped
-    greedily in sorted order (where rows with long common prefixes are neighbours).
+    least MIN_STEM_SAVING. Every row keeps at least its last token to compute, and at most
+    `max_tail` (default MAX_STEM_TAIL): the tails are computed in a second pass padded to its
+    widest row, where one long tail would make every row pay for its width (measured: a 543-token
+    tail made the second pass cost more than the stems saved). Rows are grouped greedily in sorted
+    order (where rows with long common prefixes are neighbours).
     """
+    max_tail = MAX_STEM_TAIL if max_tail is None else max_tail
     def saving(rows: list[int], end: int) -> int:
         return sum(max(0, end - starts[i]) for i in rows) - max(0, end - max(starts[i] for i in rows))
 
@@ -474,7 +481,8 @@ def shared_stems(prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> lis
     for i in order:
         if rows:
             common = _common_prefix(prompts[rows[-1]], prompts[i], min(end, len(prompts[i]) - 1))
-            if common > max(starts[r] for r in [*rows, i]) and saving([*rows, i], common) > saving(rows, end):
+            if (common > max(starts[r] for r in [*rows, i]) and saving([*rows, i], common) > saving(rows, end)
+                    and all(len(prompts[r]) - common <= max_tail for r in [*rows, i])):
                 rows, end = [*rows, i], common
                 continue
             groups.append((rows, end))
