@@ -95,6 +95,16 @@ def test_reward_is_drawn_too_when_the_efficiency_reward_changes_it():
     assert list(dashed(ax)[0].get_ydata()) == [0.5, 0.5]
 
 
+def test_with_the_hint_swap_the_curve_and_the_base_line_are_the_unguided_rollouts():
+    logs = {"cap": [log_row(1, 0.5, hinted=4, success_rate_unhinted=0.25, success_rate_hinted=0.75),
+                    log_row(2, 0.75, hinted=4, success_rate_unhinted=0.5, success_rate_hinted=1.0)]}
+    assert base_pass_rate(logs["cap"]) == 0.25
+    assert base_pass_rate([log_row(1, 0.5, hinted=0, success_rate_unhinted=0.5)]) == 0.5
+    ax = curves_against_base(logs).axes[0]
+    (curve,) = [ln for ln in ax.get_lines() if ln.get_label() == "success rate, unguided rollouts"]
+    assert list(curve.get_ydata()) == [0.25, 0.5] and list(dashed(ax)[0].get_ydata()) == [0.25, 0.25]
+
+
 @pytest.mark.parametrize("logs", [{}, {"cap": []}])
 def test_figures_without_iterations_still_draw(logs):
     fig = curves_against_base(logs)

@@ -28,6 +28,7 @@ from trace_lib.training.grpo import (
     loss_mask,
     trajectory_reward,
 )
+from trace_lib.training.hints import HINT_CLOSE, HINT_OPEN
 from trace_lib.training.rewards import make_reward
 from trace_lib.training.trainer import (
     AgentGRPOTrainer,
@@ -175,6 +176,60 @@ def test_earlier_tool_results_are_truncated_the_latest_is_read_in_full(scripted)
     assert ep.env.state.messages[3].content.count("padding") == 200  # the env's own record stays whole
     assert tok.decode(seen[1][0]).startswith(tok.decode(out["prompt_ids"][0] + out["completion_ids"][0][:10]))
     assert out["reward"] == [1.0, 0.0]
+
+
+class GuidedPolicy(ScriptedPolicy):
+    """Answers right only when the prompt carries expert guidance; records every prompt."""
+
+    def generate_ids(self, prompts, **kw):
+        self.seen.append(prompts)
+        outs, finish = [], []
+        for ids in prompts:
+            text = self.tokenizer.decode(ids)
+            key = re.search(r"value of (k\d+)", text).group(1)
+            if text.count("<|im_start|>assistant") == 1:
+                reply = f'<tool_call>\n{{"name": "get_value", "arguments": {{"key": "{key}"}}}}\n</tool_call>'
+            else:
+                reply = f"The value is {int(key[1:]) * 10 + (HINT_OPEN not in text)}."
+            outs.append(self.encode(reply + "<|im_end|>"))
+            finish.append("stop")
+        return outs, finish
+
+
+def test_hint_swap_plays_guided_rollouts_and_trains_them_without_the_guidance(scripted):
+    policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
+    policy.seen = []
+    hint = lambda task: f"Look up {task.user.reason_for_call.split()[-1].rstrip('?')} and say its value."  # noqa: E731
+    cfg = TrainConfig(**{**FAST, "group_size": 4, "hint_fraction": 0.5, "filter_lookup_only": False})
+    spent = []
+    ro = AgentRollout(policy, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=hint)], cfg,
+                      make_reward(cfg.reward), spent.append, seed=0)
+    out = ro(["kv:1001"] * 4 + ["kv:1002"] * 4, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    tok = policy.tokenizer
+    assert spent == [8]  # guided rollouts count like any other
+    assert [ep.hinted for ep in ro.last] == [False, False, True, True] * 2
+    assert out["reward"] == [0.0, 0.0, 1.0, 1.0] * 2
+    first_turn = [tok.decode(ids) for ids in policy.seen[0]]
+    assert [HINT_OPEN + "Look up k1 and say its value." + HINT_CLOSE in t for t in first_turn[:4]] == [False, False,
+                                                                                                        True, True]
+    # the trained sequence: the same unguided prompt for every row, the guided episode's own turns
+    assert all(ids == out["prompt_ids"][0] for ids in out["prompt_ids"][:4])
+    assert HINT_OPEN not in tok.decode(out["prompt_ids"][2]) and HINT_OPEN not in tok.decode(out["completion_ids"][2])
+    assert tok.decode(out["completion_ids"][2]).endswith("The value is 10.<|im_end|>")
+    assert sum(out["env_mask"][2]) > 0  # the group has mixed rewards: trained
+    stats = ro.stats[0]
+    assert (stats["hinted"], stats["success_rate_unhinted"], stats["success_rate_hinted"]) == (4, 0.0, 1.0)
+
+
+def test_hint_swap_without_guidance_plays_unguided(scripted):
+    policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
+    policy.seen = []
+    cfg = TrainConfig(**{**FAST, "groups": 1, "hint_fraction": 0.5})
+    ro = AgentRollout(policy, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: None)], cfg,
+                      make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    assert not any(ep.hinted for ep in ro.last) and out["reward"] == [0.0, 0.0]
+    assert ro.stats[0]["hinted"] == 0 and ro.stats[0]["success_rate_hinted"] is None
 
 
 def test_efficiency_reward_in_rollouts(scripted):

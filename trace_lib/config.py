@@ -286,6 +286,10 @@ class TrainConfig(Section):
     """Keep the adapter of every checkpoint but the last in `<adapter>/snapshots/iter-<k>/` with its
     rollouts: the budget points of the scaling stage (no retraining per point)."""
     max_steps_per_episode: int = Field(6, ge=1)
+    hint_fraction: float = Field(0.0, ge=0, lt=1)
+    """Hint swap: this share of each group's rollouts (rounded, at least one, never all) is played with
+    the task's expert guidance in the opening, which is removed from the sequence before the gradient
+    (training/hints.py); the authors use 25–50%. 0: off."""
     constrained: bool = True
     tool_choice: Literal["auto", "first", "required"] = "first"
     reward: RewardConfig = Field(default_factory=RewardConfig)

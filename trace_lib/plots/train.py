@@ -26,12 +26,13 @@ CURVES = (("reward", "mean reward"), ("success_rate", "success rate"),
           ("frac_reward_zero_std", "groups with identical rewards"), ("tool_calls", "tool calls per episode"))
 """(log key, axis label) of the panels drawn for every adapter."""
 CSV_COLUMNS = ("iteration", "rollouts", "reward", "reward_std", "frac_reward_zero_std", "success_rate", "kl",
-               "completion_length", "tool_calls", "l_t", "loss", "entropy", "grad_norm")
+               "completion_length", "tool_calls", "l_t", "loss", "entropy", "grad_norm", "hinted", "success_rate_unhinted")
 """Columns of `reports/train/<name>.csv`, named as TRL logs them (reward, reward_std, frac_reward_zero_std,
 kl, loss, entropy, grad_norm) or as the train log does: rollouts (used so far, cumulative), success_rate,
 completion_length (the agent's own tokens per episode), tool_calls (per episode) and l_t (the efficiency
-threshold). A value the log does not hold is left empty: kl when beta = 0 (TRL logs none), l_t when the
-efficiency reward is off."""
+threshold), hinted (rollouts played with expert guidance, the hint swap) and success_rate_unhinted (the
+others' success). A value the log does not hold is left empty: kl when beta = 0 (TRL logs none), l_t when
+the efficiency reward is off, success_rate_unhinted in logs written before the hint swap existed."""
 
 
 def train_log_csv(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -121,12 +122,18 @@ def efficiency_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str =
     return fig
 
 
+def unguided_success(row: Mapping[str, Any]) -> float | None:
+    """A log row's success rate over the rollouts played without expert guidance (all of them when
+    the hint swap is off): what the policy does on its own."""
+    return row.get("success_rate_unhinted") if row.get("hinted") else row.get("success_rate")
+
+
 def base_pass_rate(rows: Sequence[Mapping[str, Any]]) -> float | None:
-    """The base model's pass rate on the adapter's environment: the success rate of iteration 1,
-    whose rollouts are sampled before the first update (LoRA B starts at zero), at the training
-    temperature. None when the log has no first iteration."""
+    """The base model's pass rate on the adapter's environment: the unguided success rate of
+    iteration 1, whose rollouts are sampled before the first update (LoRA B starts at zero), at the
+    training temperature. None when the log has no first iteration."""
     first = [r for r in rows if r.get("iteration") == 1]
-    return first[0].get("success_rate") if first else None
+    return unguided_success(first[0]) if first else None
 
 
 def curves_against_base(logs: Mapping[str, Sequence[dict[str, Any]]], temperature: float | None = None,
@@ -145,7 +152,9 @@ def curves_against_base(logs: Mapping[str, Sequence[dict[str, Any]]], temperatur
         if frame.empty:
             ax.text(0.5, 0.5, "no iterations logged", ha="center", va="center", transform=ax.transAxes)
         else:
-            ax.plot(frame["iteration"], frame["success_rate"], marker="o", label="success rate")
+            guided = bool(frame.get("hinted", pd.Series([0])).fillna(0).any())
+            ax.plot(frame["iteration"], [unguided_success(r) for r in logs[name]], marker="o",
+                    label="success rate, unguided rollouts" if guided else "success rate")
             if not np.allclose(frame["reward"], frame["success_rate"]):  # the efficiency reward is on
                 ax.plot(frame["iteration"], frame["reward"], marker=".", alpha=0.7, label="reward")
                 low = min(low, float(frame["reward"].min()))

@@ -37,16 +37,17 @@ from typing import Any
 from trace_lib.agent.model import numerics
 from trace_lib.config import Params
 from trace_lib.envs import load_tasks, make_env
-from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks, task_payload
 from trace_lib.evaluation.inputs import trace_budget
 from trace_lib.io import dumps_json, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.plots.train import write_train_csvs
-from trace_lib.records import AdapterManifest
-from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
+from trace_lib.records import AdapterManifest, Task
+from trace_lib.synth.sandbox import SandboxError, SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
+from trace_lib.training.hints import hint_from_steps, reference_steps
 from trace_lib.training.trainer import (
     read_timing,
     read_train_log,
@@ -68,7 +69,17 @@ def _target_source(params: Params, root: Path) -> TrainSource:
     if not tasks:
         raise ValueError(f"the target {params.env.name!r} has no {params.rollout.split!r} tasks to train on")
     return TrainSource("target", lambda: make_env(params.env),
-                       lambda seeds: [tasks[s % len(tasks)] for s in seeds])
+                       lambda seeds: [tasks[s % len(tasks)] for s in seeds],
+                       hint=lambda task: hint_from_steps(reference_steps(task)))
+
+
+def _solution_hint(box: SandboxProcess, task: Task) -> str | None:
+    """Expert guidance from the module's reference solution; None when `solve` fails (the rollout then
+    plays unguided)."""
+    try:
+        return hint_from_steps(box.request("solve", task=task_payload(task)))
+    except SandboxError:
+        return None
 
 
 def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weight: float = 1.0) -> TrainSource:
@@ -76,7 +87,7 @@ def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weig
     return TrainSource(capability,
                        lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode),
                        lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train"),
-                       weight)
+                       weight, hint=lambda task: _solution_hint(box, task))
 
 
 def _resume_key(params: Params) -> str:

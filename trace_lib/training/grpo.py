@@ -33,6 +33,12 @@ weights, so TRL's ratio is exactly 1 at the single update per batch. With constr
 sampler draws from the grammar-masked distribution while the loss uses the model's; that is the
 usual approximation of grammar-constrained RL.
 
+Hint swap (`train.hint_fraction`, `training/hints.py`): the last round(fraction·K) samples of each
+group are played from the opening with the task's expert guidance appended to the user turn; their
+`prompt_ids` (what is trained) are the opening without it, their completion the guided episode's
+turns, so the gradient is taken as if the policy had acted that way unguided. A source without a
+`hint` function, or a task whose hint is None, plays every sample unguided.
+
 Samples (paper: "samples whose only action is a read-only lookup are filtered out"): a sample is
 one agent turn, i.e. one span of mask-1 tokens. With `filter_lookup_only` a turn whose action is
 only calls to read tools gets mask 0, except that an episode keeps at least its last turn.
@@ -55,6 +61,7 @@ from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
 from trace_lib.records import Message, Task
+from trace_lib.training.hints import hinted_samples, with_hint
 
 TRUNCATION_MARK = " ...[truncated]"
 TURN_END = "<|im_end|>"
@@ -69,6 +76,8 @@ class TrainSource:
     make_tasks: Callable[[list[int]], list[Task]]
     """Tasks for a list of env seeds, one per seed, in order."""
     weight: float = 1.0
+    hint: Callable[[Task], str | None] | None = None
+    """Expert guidance for a task (`training/hints.py`), or None where there is none."""
 
 
 @dataclass
@@ -90,6 +99,9 @@ class Episode:
     latest: tuple[int, list[int]] = (0, [])
     """The last environment reply as the agent reads it: (length of its truncated form at the end
     of completion_ids, its full form)."""
+    sample_prompt_ids: list[int] | None = None
+    """The opening the episode is played from when it differs from the trained `prompt_ids` (the
+    hint swap: the opening with expert guidance; the guidance is not in the trained sequence)."""
     env_reward: float = 0.0
     reward: float = 0.0
     success: bool = False
@@ -101,7 +113,12 @@ class Episode:
     def sampling_ids(self) -> list[int]:
         """What the agent's next turn is sampled from: the sequence, latest tool result in full."""
         cut, full = self.latest
-        return self.prompt_ids + self.completion_ids[: len(self.completion_ids) - cut] + full
+        opening = self.prompt_ids if self.sample_prompt_ids is None else self.sample_prompt_ids
+        return opening + self.completion_ids[: len(self.completion_ids) - cut] + full
+
+    @property
+    def hinted(self) -> bool:
+        return self.sample_prompt_ids is not None
 
     @property
     def tool_calls(self) -> int:
@@ -125,10 +142,15 @@ def _lookup_only(msg: Message, kinds: dict[str, str]) -> bool:
     return msg.invalid is None and bool(msg.tool_calls) and all(kinds.get(c.name) == "read" for c in msg.tool_calls)
 
 
-def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment) -> Episode:
+def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
+                  hint: str | None = None) -> Episode:
+    """A new episode of `task`; with `hint`, played from the opening with that guidance while the
+    trained sequence starts from the opening without it."""
     opening = env.reset(task)
-    prompt = policy.encode(render_prompt(policy.tokenizer, opening, env.tool_schemas()))
-    return Episode(source, seed, sample, env, prompt, list(opening))
+    tools = env.tool_schemas()
+    prompt = policy.encode(render_prompt(policy.tokenizer, opening, tools))
+    guided = None if hint is None else policy.encode(render_prompt(policy.tokenizer, with_hint(opening, hint), tools))
+    return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided)
 
 
 def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: int) -> dict[str, float]:
@@ -275,10 +297,15 @@ class AgentRollout:
         n = len(episodes)
         rewards = [ep.reward for ep in episodes]
         mean = sum(rewards) / n
+        guided = [ep for ep in episodes if ep.hinted]
+        unguided = [ep for ep in episodes if not ep.hinted]
         self.stats[iteration] = {
             "reward": mean,
             "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(1, n - 1)) ** 0.5,
             "success_rate": sum(ep.success for ep in episodes) / n,
+            "hinted": len(guided),
+            "success_rate_unhinted": sum(ep.success for ep in unguided) / len(unguided) if unguided else None,
+            "success_rate_hinted": sum(ep.success for ep in guided) / len(guided) if guided else None,
             "frac_reward_zero_std": zero_std,
             "tool_calls": sum(ep.tool_calls for ep in episodes) / n,
             "tool_calls_correct": epoch["tool_calls_correct"],
@@ -312,12 +339,18 @@ class AgentRollout:
             if len(made) != len(seeds):
                 raise ValueError(f"make_tasks({seeds}) for {source!r} returned {len(made)} tasks")
             tasks.update({(source, s): t for s, t in zip(seeds, made, strict=True)})
+        guided = set(hinted_samples(self.cfg.group_size, self.cfg.hint_fraction))
+        hints: dict[tuple[str, int], str | None] = {}
         episodes, sample = [], 0
         for i, key in enumerate(keys):
             sample = sample + 1 if i and keys[i - 1] == key else 0
-            env = self.sources[key[0]].make_env()
+            source = self.sources[key[0]]
+            if sample in guided and source.hint is not None and key not in hints:
+                hints[key] = source.hint(tasks[key])
+            env = source.make_env()
             env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
-            episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env))
+            episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
+                                          hint=hints.get(key) if sample in guided else None))
         return episodes
 
     def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], float]:

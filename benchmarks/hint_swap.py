@@ -1,0 +1,85 @@
+"""Does the hint swap make an adapter learn its capability faster? One synthetic environment, the same
+seed and budget, `train.hint_fraction` at each given value; each adapter's training curve and its
+held-out success (greedy, seeds from `INTERFERENCE_SEED0` up: never a training or validation seed).
+
+Reads the outputs of `dvc repro` under --root (data/model, data/envs) and its params.yaml; writes the
+adapters under --out (default a temporary folder) and prints one JSON object.
+
+    .venv/bin/python benchmarks/hint_swap.py --capability communicate_result --iterations 4 \
+        --fractions 0,0.5 --seeds 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from trace_lib.agent.policy import load_policy
+from trace_lib.config import load_params
+from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.records import AdapterManifest
+from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
+from trace_lib.stages.train import _sandbox_limits, _synthetic_source
+from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.synth.synthesize import valid_envs
+from trace_lib.training.budget import RolloutLedger
+from trace_lib.training.trainer import read_timing, read_train_log, train_adapter_mixture
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default=".")
+    ap.add_argument("--capability", required=True)
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--fractions", default="0,0.5")
+    ap.add_argument("--seeds", type=int, default=16, help="held-out tasks")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = Path(args.root)
+    params = load_params(root / "params.yaml")
+    manifest = next((m for m in valid_envs(root) if m.capability_id == args.capability), None)
+    if manifest is None:
+        raise SystemExit(f"no validated environment {args.capability!r} under {root / 'data/envs'}")
+    out = Path(args.out or tempfile.mkdtemp(prefix="hint_swap-"))
+    result: dict = {"capability": args.capability, "iterations": args.iterations, "arms": {}}
+    with ExitStack() as stack:
+        box = stack.enter_context(SandboxProcess(root / manifest.path, _sandbox_limits(params)))
+        adapters = {}
+        for fraction in [float(f) for f in args.fractions.split(",")]:
+            name = f"hint{round(100 * fraction)}"  # adapter names may not contain "."
+            cfg = params.train.model_copy(update={"hint_fraction": fraction, "iterations": args.iterations,
+                                                  "snapshots": False})
+            t0 = time.perf_counter()
+            if (out / name / "manifest.json").exists():  # --out of an earlier run: evaluate what it trained
+                m = AdapterManifest.model_validate_json((out / name / "manifest.json").read_text())
+            else:
+                m = train_adapter_mixture(root / params.model.out_dir,
+                                          [_synthetic_source(box, args.capability, params)], cfg, out / name,
+                                          seed=params.seed, ledger=RolloutLedger(out / f"{name}.ledger.jsonl"),
+                                          name=name, timing_path=out / f"{name}.timing.json")
+            adapters[name] = str(out / name)
+            result["arms"][name] = {
+                "hint_fraction": fraction, "rollouts": m.rollouts_used, "train_seconds": round(time.perf_counter() - t0, 1),
+                "curve": [{k: row.get(k) for k in ("iteration", "success_rate", "hinted", "success_rate_unhinted",
+                                                    "success_rate_hinted", "frac_reward_zero_std", "trained_tokens")}
+                          for row in read_train_log(out / name)],
+                "seconds_per_iteration": read_timing(out / f"{name}.timing.json").get("seconds_per_iteration"),
+            }
+        policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype, adapters=adapters)
+        seeds = list(range(INTERFERENCE_SEED0, INTERFERENCE_SEED0 + args.seeds))
+        tasks = synthetic_tasks(box, args.capability, seeds, params.synthesize.difficulty, "test")
+        env = (lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode), tasks)
+        t0 = time.perf_counter()
+        rows = interference_matrix(policy, sorted(adapters), {args.capability: env},
+                                   eval_rollout_config(params.rollout, params.evaluate), params.seed)
+        result["held_out"] = {r["adapter"]: f"{r['successes']}/{r['n']}" for r in rows}
+        result["eval_seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
