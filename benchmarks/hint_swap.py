@@ -15,14 +15,13 @@ import argparse
 import json
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 from trace_lib.agent.policy import load_policy
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-from trace_lib.records import AdapterManifest
 from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
+from trace_lib.records import AdapterManifest
 from trace_lib.stages.train import _sandbox_limits, _synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
@@ -46,8 +45,7 @@ def main() -> None:
         raise SystemExit(f"no validated environment {args.capability!r} under {root / 'data/envs'}")
     out = Path(args.out or tempfile.mkdtemp(prefix="hint_swap-"))
     result: dict = {"capability": args.capability, "iterations": args.iterations, "arms": {}}
-    with ExitStack() as stack:
-        box = stack.enter_context(SandboxProcess(root / manifest.path, _sandbox_limits(params)))
+    with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
         adapters = {}
         for fraction in [float(f) for f in args.fractions.split(",")]:
             name = f"hint{round(100 * fraction)}"  # adapter names may not contain "."
