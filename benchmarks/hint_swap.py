@@ -1,12 +1,13 @@
-"""Does the hint swap make an adapter learn its capability faster? One synthetic environment, the same
-seed and budget, `train.hint_fraction` at each given value; each adapter's training curve and its
-held-out success (greedy, seeds from `INTERFERENCE_SEED0` up: never a training or validation seed).
+"""Do the hint swap and multi-level rewards make an adapter learn its capability faster? One synthetic
+environment, the same seed and budget, one arm per (`train.hint_fraction`, `train.reward.partial_credit`)
+pair given; each adapter's training curve and its held-out success (greedy, seeds from
+`INTERFERENCE_SEED0` up: never a training or validation seed).
 
 Reads the outputs of `dvc repro` under --root (data/model, data/envs) and its params.yaml; writes the
 adapters under --out (default a temporary folder) and prints one JSON object.
 
     .venv/bin/python benchmarks/hint_swap.py --capability communicate_result --iterations 4 \
-        --fractions 0,0.5 --seeds 16
+        --fractions 0,0.5 --partial-credits 0 --seeds 16
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def main() -> None:
     ap.add_argument("--root", default=".")
     ap.add_argument("--capability", required=True)
     ap.add_argument("--iterations", type=int, default=4)
-    ap.add_argument("--fractions", default="0,0.5")
+    ap.add_argument("--fractions", default="0,0.5", help="train.hint_fraction values")
+    ap.add_argument("--partial-credits", default="0", help="train.reward.partial_credit values (multi-level rewards)")
     ap.add_argument("--seeds", type=int, default=16, help="held-out tasks")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -47,10 +49,13 @@ def main() -> None:
     result: dict = {"capability": args.capability, "iterations": args.iterations, "arms": {}}
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
         adapters = {}
-        for fraction in [float(f) for f in args.fractions.split(",")]:
-            name = f"hint{round(100 * fraction)}"  # adapter names may not contain "."
+        arms = [(float(f), float(c)) for f in args.fractions.split(",") for c in args.partial_credits.split(",")]
+        for fraction, credit in arms:
+            name = f"hint{round(100 * fraction)}-pc{round(100 * credit)}"  # adapter names may not contain "."
             cfg = params.train.model_copy(update={"hint_fraction": fraction, "iterations": args.iterations,
-                                                  "snapshots": False})
+                                                  "snapshots": False,
+                                                  "reward": params.train.reward.model_copy(
+                                                      update={"partial_credit": credit})})
             t0 = time.perf_counter()
             if (out / name / "manifest.json").exists():  # --out of an earlier run: evaluate what it trained
                 m = AdapterManifest.model_validate_json((out / name / "manifest.json").read_text())
@@ -61,9 +66,11 @@ def main() -> None:
                                           name=name, timing_path=out / f"{name}.timing.json")
             adapters[name] = str(out / name)
             result["arms"][name] = {
-                "hint_fraction": fraction, "rollouts": m.rollouts_used, "train_seconds": round(time.perf_counter() - t0, 1),
+                "hint_fraction": fraction, "partial_credit": credit, "rollouts": m.rollouts_used,
+                "train_seconds": round(time.perf_counter() - t0, 1),
                 "curve": [{k: row.get(k) for k in ("iteration", "success_rate", "hinted", "success_rate_unhinted",
-                                                    "success_rate_hinted", "frac_reward_zero_std", "trained_tokens")}
+                                                    "success_rate_hinted", "env_score", "rubric",
+                                                    "frac_reward_zero_std", "trained_tokens")}
                           for row in read_train_log(out / name)],
                 "seconds_per_iteration": read_timing(out / f"{name}.timing.json").get("seconds_per_iteration"),
             }

@@ -18,6 +18,7 @@ from trace_lib.plots.train import (
     base_pass_rate,
     curves_against_base,
     last_iterations,
+    rubric_curves,
     train_log_csv,
     training_curves,
     write_train_csvs,
@@ -110,6 +111,22 @@ def test_figures_without_iterations_still_draw(logs):
     fig = curves_against_base(logs)
     assert fig.axes and not any(dashed(ax) for ax in fig.axes)
     assert training_curves(logs).axes
+    assert "no rubric" in rubric_curves(logs).axes[0].texts[0].get_text()
+
+
+def test_rubric_items_get_csv_columns_and_a_line_each():
+    rows = [log_row(1, 0.0, env_score=0.25, rubric={"orders_read": 0.5, "facts_said": 0.0, "no_write": 1.0}),
+            log_row(2, 0.5, env_score=0.75, rubric={"orders_read": 1.0, "facts_said": 0.5, "no_write": 1.0})]
+    text = train_log_csv(rows)
+    assert text.splitlines()[0] == ",".join(CSV_COLUMNS) + ",rubric/orders_read,rubric/facts_said,rubric/no_write"
+    parsed = parse(text)
+    assert [r["rubric/facts_said"] for r in parsed] == ["0.0", "0.5"] and parsed[1]["env_score"] == "0.75"
+    assert parse(train_log_csv([log_row(1, 0.5)]))[0]["env_score"] == ""  # a log without rubric: no columns
+    fig = rubric_curves({"communicate_result": rows, "no_rubric": [log_row(1, 0.5)]})
+    assert len(fig.axes) == 1 and fig.axes[0].get_title() == "communicate_result"
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
+    assert lines == {"orders_read": [0.5, 1.0], "facts_said": [0.0, 0.5], "no_write": [1.0, 1.0],
+                     "env score": [0.25, 0.75]}
 
 
 def test_adapter_table_one_row_per_manifest_with_its_timing():

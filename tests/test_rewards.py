@@ -75,6 +75,21 @@ def test_config_rejects_a_wrong_trajectory_that_could_outscore_a_correct_one():
 def test_without_efficiency_the_env_reward_is_used():
     r = make_reward(RewardConfig())
     assert isinstance(r, EnvReward) and r.threshold is None
-    assert r.score(0.5, False, 3) == 0.5
+    assert r.score(0.5, False, 3) == 0.25 and r.score(1.0, True, 3) == 1.0  # partial credit c = 0.5
+    assert make_reward(RewardConfig(partial_credit=0)).score(0.5, False, 3) == 0.0
     assert r.end_epoch([2, 4])["tool_calls_correct"] == 3.0
     assert isinstance(make_reward(RewardConfig(efficiency=True)), EfficiencyReward)
+
+
+def test_partial_credit_stays_below_every_success():
+    """Multi-level rewards: a failure earns c·s of the way to the lowest correct reward, never past it."""
+    r = eff(warmup_threshold=0, r_neg=-0.5, partial_credit=1.0)
+    lowest_correct = min(r.reward(True, n) for n in range(0, 100))
+    assert lowest_correct == pytest.approx(1.0 - 0.05 * 16)
+    fails = [r.score(s, False, 1) for s in (0.0, 0.25, 0.5, 0.99)]
+    assert fails[0] == -0.5 and fails == sorted(fails) and max(fails) < lowest_correct
+    assert fails[2] == pytest.approx(-0.5 + 0.5 * (lowest_correct + 0.5))
+    env = make_reward(RewardConfig(partial_credit=1.0))
+    assert env.score(0.99, False, 1) < env.score(1.0, True, 1) == 1.0
+    with pytest.raises(ConfigError, match="partial_credit"):
+        params_from_dict({"train": {"reward": {"partial_credit": 1.5}}})

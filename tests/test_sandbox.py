@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from toy import CONTRACT_STUB as CONTRACT
 
 from trace_lib.config import ValidationConfig
 from trace_lib.synth.sandbox import (
@@ -28,17 +29,6 @@ from trace_lib.synth.sandbox import (
 
 FIXTURES = Path(__file__).parent / "synth_fixtures"
 PROBE = FIXTURES / "probe_host.py"
-CONTRACT = """
-CAPABILITY = "c"
-TARGET = {"name": "retail", "tools": "core"}
-DIFFICULTY = {"default": 1, "min": 0, "max": 3}
-def tool_schemas(): return []
-def generate_task(seed, difficulty=1): return {}
-def init_state(task): return None
-def call_tool(state, name, arguments): return ""
-def evaluate(trajectory, task, state): return 0
-def solve(task): return []
-"""
 
 
 # --- static checks ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from trace_lib.envs.base import Environment, ToolSpec, UserTurn
 from trace_lib.envs.families import user_split
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
+from trace_lib.synth.rubric import verdict
 from trace_lib.synth.template_kit import DIFFICULTY, _tau2_test_users
 from trace_lib.synth.templates import (
     BoundTemplate,
@@ -76,11 +77,17 @@ class TemplateEnv(Environment):
         trajectory = {"messages": [m.model_dump(mode="json") for m in st.messages], "termination": st.termination,
                       "tool_calls": st.tool_calls, "tool_errors": st.tool_errors,
                       "invalid_actions": st.invalid_actions}
-        return float(self.bound.evaluate(trajectory, self.task, self.world)), {}
+        v = verdict(self.bound.evaluate(trajectory, self.task, self.world))
+        return v["score"], {"steps": v["steps"], "gates": v["gates"]}
 
 
 def play(bound: BoundTemplate, task: dict, actions: list[dict]) -> float:
     """Step `actions` ({"tool", "arguments"} / {"say"}) until the episode ends; the template's score."""
+    return play_rubric(bound, task, actions)[0]
+
+
+def play_rubric(bound: BoundTemplate, task: dict, actions: list[dict]) -> tuple[float, dict]:
+    """`play`, with the reward's breakdown (steps and gates; only the termination when cut off)."""
     env = TemplateEnv(bound, task)
     env.reset(Task(id="t", env="synthetic", split="train", family=bound.template.capability, **task))
     for a in actions:
@@ -90,7 +97,7 @@ def play(bound: BoundTemplate, task: dict, actions: list[dict]) -> float:
             env.step(Message(role="assistant", content=a["say"]))
         else:
             env.step(Message(role="assistant", tool_calls=[ToolCall(name=a["tool"], arguments=a["arguments"])]))
-    return env.reward()[0]
+    return env.reward()
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +178,9 @@ def _random_actions(rng: random.Random, bound: BoundTemplate, task: dict) -> lis
 def test_do_nothing_and_random_agents_fail(bound, cap, target):
     b = bound[cap, target["name"]]
     tasks = [b.generate_task(seed, DIFFICULTY["default"]) for seed in SEEDS]
-    assert sum(play(b, t, [{"say": "ok, done"}]) for t in tasks) <= 1
+    assert [play(b, t, [{"say": "ok, done"}]) for t in tasks] == [0.0] * len(tasks)  # no partial credit either
     rng = random.Random(cap)
-    assert sum(play(b, t, _random_actions(rng, b, t)) for t in tasks) <= 1
+    assert sum(play(b, t, _random_actions(rng, b, t)) == 1.0 for t in tasks) <= 1
 
 
 # --- capability-specific failures: each variant breaks exactly the trained skill ----------------
@@ -226,16 +233,40 @@ def _variants(cap: str, task: dict, plan: list[dict]) -> list[list[dict]]:
 
 
 @pytest.mark.parametrize("cap", CAPS)
-def test_breaking_the_capability_scores_zero(bound, cap):
+def test_breaking_the_capability_fails_a_named_rubric_item(bound, cap):
+    """Each broken variant misses success, and the rubric says which step or gate it broke."""
     b = bound[cap, "retail"]
     n = 0
     for d in LEVELS:
         for seed in SEEDS:
             task = b.generate_task(seed, d)
             for variant in _variants(cap, task, b.solve(task)):
-                assert play(b, task, variant) == 0.0, (d, seed, variant)
+                score, info = play_rubric(b, task, variant)
+                assert score < 1.0, (d, seed, variant)
+                if "steps" in info:  # not cut off by a limit
+                    missed = [k for k, v in info["steps"].items() if v < 1] + [k for k, v in info["gates"].items() if not v]
+                    assert missed, (d, seed, info)
+                    assert score == (0.0 if not all(info["gates"].values())
+                                     else sum(info["steps"].values()) / len(info["steps"]))
                 n += 1
     assert n >= len(LEVELS) * len(SEEDS)
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_doing_part_of_the_reference_earns_part_of_the_reward(bound, cap):
+    """Multi-level rewards: the reference without its answer, or without its last tool call, scores
+    strictly between 0 and 1 on most tasks (the steps done count, the missing one does not)."""
+    b = bound[cap, "retail"]
+    scores = []
+    for d in LEVELS:
+        for seed in SEEDS:
+            task = b.generate_task(seed, d)
+            plan = b.solve(task)
+            last_call = max(i for i, a in enumerate(plan) if "tool" in a)
+            for variant in (plan[:-1] + [{"say": "Okay."}], plan[:last_call] + plan[last_call + 1:]):
+                scores.append(play(b, task, variant))
+    assert all(0 <= x < 1 for x in scores if x != 1.0)
+    assert sum(0 < x < 1 for x in scores) >= len(scores) / 4, scores
 
 
 def test_confirmation_declined_means_nothing_written(bound):

@@ -239,6 +239,30 @@ def test_efficiency_reward_in_rollouts(scripted):
     assert ro.stats[0]["l_t"] == 0 and ro.reward.threshold == 0 and ro.stats[0]["tool_calls_correct"] == 1.0
 
 
+class RubricKVEnv(KVEnv):
+    """KVEnv scored by a rubric: the lookup and the value said are its two steps."""
+
+    def _score(self):
+        said = " ".join(self.agent_texts())
+        steps = {"looked_up": float(self.state.tool_calls > 0),
+                 "value_said": float(all(out in said for out in self.state.task.required_outputs))}
+        score = sum(steps.values()) / len(steps)
+        return score, {"evaluate": score, "rubric": {"steps": steps, "gates": {"no_write": True}}}
+
+
+def test_multi_level_rewards_give_failures_partial_credit_and_log_each_item(scripted):
+    cfg = TrainConfig(**{**FAST, "groups": 1})
+    ro = AgentRollout(scripted, [TrainSource("kv", lambda: RubricKVEnv(max_steps=3), kv_tasks)], cfg,
+                      make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    # row 0 looks the value up and says it; row 1 looks it up and says a wrong one: half the rubric,
+    # times partial_credit 0.5
+    assert out["success"] == [True, False] and out["reward"] == [1.0, 0.25]
+    stats = ro.stats[0]
+    assert stats["env_score"] == 0.75 and stats["rubric"] == {"looked_up": 1.0, "value_said": 0.5, "no_write": 1.0}
+    assert [ep.rubric["steps"]["value_said"] for ep in ro.last] == [1.0, 0.0]
+
+
 def test_rows_without_loss_are_dropped_from_micro_batches():
     pad = 0
     inputs = {

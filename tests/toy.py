@@ -8,6 +8,19 @@ from dataclasses import dataclass
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
 from trace_lib.records import Message, Task, ToolCall, UserScenario
 
+CONTRACT_STUB = """
+CAPABILITY = "c"
+TARGET = {"name": "retail", "tools": "core"}
+DIFFICULTY = {"default": 1, "min": 0, "max": 3}
+def tool_schemas(): return []
+def generate_task(seed, difficulty=1): return {}
+def init_state(task): return None
+def call_tool(state, name, arguments): return ""
+def evaluate(trajectory, task, state): return 0
+def solve(task): return []
+"""
+"""The smallest module that satisfies the synthesized-environment contract (evaluate always 0)."""
+
 KV_TOOLS = [
     ToolSpec(name="get_value", description="Read a value.", kind="read",
              parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}),

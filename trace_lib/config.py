@@ -233,6 +233,11 @@ class RewardConfig(Section):
     max_tool_calls: int = Field(16, ge=1)
     """Most tool calls a trajectory can make (the env's step limit bounds it); used to check that
     no wrong trajectory can outscore a correct one: R- < R+ - λ·max_tool_calls."""
+    partial_credit: float = Field(0.5, ge=0, le=1)
+    """c: a failed trajectory earns R- + c·s·(lowest correct reward - R-), where s in [0, 1) is the
+    environment's partial score (a synthetic environment's rubric, `trace_lib.synth.rubric`; 0 for
+    all-or-nothing environments). 0 turns multi-level rewards off; any c <= 1 keeps every failure
+    below every success."""
 
     @model_validator(mode="after")
     def _wrong_below_correct(self) -> RewardConfig:

@@ -280,7 +280,7 @@ def stage_outs(paths: Paths) -> dict[str, list[Path]]:
                   fig("score_stability")],
         "synthesize": [p.envs, p.metrics("synthesize")],
         "train": [p.adapters, p.train, p.metrics("train"), fig("train_curves"), fig("train_efficiency"),
-                  fig("train_vs_base"), p.train_logs],
+                  fig("train_vs_base"), fig("train_rubric"), p.train_logs],
         "evaluate": [p.evaluate, p.metrics("evaluate"), tab("table1"), tab("table1", ".csv"), tab("routing"),
                      tab("interference"), tab("capabilities"), fig("evaluate_success"),
                      fig("evaluate_routing_confusion"), fig("evaluate_interference")],

@@ -24,8 +24,11 @@ The module contract (checked by `trace_lib.synth.validate.validate_env`, driven 
     call_tool(state, name, arguments) -> str
                                          run one tool call; raise ToolError (or any exception) to
                                          refuse, the message becomes the agent's error observation
-    evaluate(trajectory, task, state) -> int
-                                         1 when the capability was exercised correctly, else 0;
+    evaluate(trajectory, task, state) -> dict | int
+                                         multi-level rewards: {"steps": {name: value in [0, 1]},
+                                         "gates": {name: bool}} scores the mean of the steps when
+                                         every gate holds, else 0 (`trace_lib.synth.rubric`); or 1
+                                         when the capability was exercised correctly, else 0;
                                          trajectory = {"messages": [Message dicts], "termination": str,
                                          "tool_calls": int, "tool_errors": int, "invalid_actions": int}
     solve(task) -> list[dict]            reference actions, replayed against the scripted user:

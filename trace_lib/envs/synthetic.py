@@ -160,8 +160,11 @@ class SyntheticEnv(Environment):
         st = self._require_state()
         trajectory = trajectory_payload(st.messages, st.termination, st.tool_calls, st.tool_errors,
                                         st.invalid_actions)
-        value = self.sandbox.request("evaluate", handle=self._handle, trajectory=trajectory, task=self._payload)
-        return float(value), {"evaluate": value}
+        verdict = self.sandbox.request("evaluate", handle=self._handle, trajectory=trajectory, task=self._payload)
+        info: dict[str, Any] = {"evaluate": verdict["score"]}
+        if verdict["steps"]:  # a multi-level verdict: its named items go into the record
+            info["rubric"] = {"steps": verdict["steps"], "gates": verdict["gates"]}
+        return verdict["score"], info
 
     def close(self) -> None:
         """Free this episode's world in the worker (the next init sends the release)."""
@@ -262,7 +265,8 @@ class _TRLEpisode:
             return 0.0
         messages = self._messages + ([Message(role="assistant", content=final_text)] if final_text else [])
         trajectory = trajectory_payload(messages, "agent_stop", self._calls, self._errors, 0)
-        return float(self.sandbox.request("evaluate", handle=self._handle, trajectory=trajectory, task=self._payload))
+        verdict = self.sandbox.request("evaluate", handle=self._handle, trajectory=trajectory, task=self._payload)
+        return float(verdict["score"])
 
 
 def to_trl_environment_factory(sandbox: SandboxProcess, target_cfg: EnvConfig, difficulty: int) -> type:

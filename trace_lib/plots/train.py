@@ -26,22 +26,29 @@ CURVES = (("reward", "mean reward"), ("success_rate", "success rate"),
           ("frac_reward_zero_std", "groups with identical rewards"), ("tool_calls", "tool calls per episode"))
 """(log key, axis label) of the panels drawn for every adapter."""
 CSV_COLUMNS = ("iteration", "rollouts", "reward", "reward_std", "frac_reward_zero_std", "success_rate", "kl",
-               "completion_length", "tool_calls", "l_t", "loss", "entropy", "grad_norm", "hinted", "success_rate_unhinted")
+               "completion_length", "tool_calls", "l_t", "loss", "entropy", "grad_norm", "hinted", "success_rate_unhinted",
+               "env_score")
 """Columns of `reports/train/<name>.csv`, named as TRL logs them (reward, reward_std, frac_reward_zero_std,
 kl, loss, entropy, grad_norm) or as the train log does: rollouts (used so far, cumulative), success_rate,
 completion_length (the agent's own tokens per episode), tool_calls (per episode) and l_t (the efficiency
-threshold), hinted (rollouts played with expert guidance, the hint swap) and success_rate_unhinted (the
-others' success). A value the log does not hold is left empty: kl when beta = 0 (TRL logs none), l_t when
-the efficiency reward is off, success_rate_unhinted in logs written before the hint swap existed."""
+threshold), hinted (rollouts played with expert guidance, the hint swap), success_rate_unhinted (the
+others' success) and env_score (the environment's mean partial score, multi-level rewards); then one
+`rubric/<item>` column per rubric item the log holds (its mean over the iteration's finished episodes).
+A value the log does not hold is left empty: kl when beta = 0 (TRL logs none), l_t when the efficiency
+reward is off, fields added after a log was written."""
+RUBRIC_PREFIX = "rubric/"
 
 
 def train_log_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     """One adapter's train-log rows as CSV text with `CSV_COLUMNS` (missing or null values empty)."""
+    items = list(dict.fromkeys(k for row in rows for k in (row.get("rubric") or {})))
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
+    writer.writerow(list(CSV_COLUMNS) + [RUBRIC_PREFIX + k for k in items])
     for row in rows:
-        writer.writerow(["" if row.get(k) is None else row[k] for k in CSV_COLUMNS])
+        rubric = row.get("rubric") or {}
+        writer.writerow(["" if row.get(k) is None else row[k] for k in CSV_COLUMNS]
+                        + ["" if rubric.get(k) is None else rubric[k] for k in items])
     return buf.getvalue()
 
 
@@ -118,6 +125,30 @@ def efficiency_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str =
     ax.set_xlabel("iteration")
     ax.set_ylabel("tool calls")
     ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def rubric_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str = "") -> plt.Figure:
+    """Multi-level rewards: per adapter, each rubric item's mean per iteration (a gate's: the share of
+    finished episodes that kept it) and the environment's mean partial score (dashed)."""
+    names = [n for n in sorted(logs) if any(r.get("rubric") for r in logs[n])]
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(3.6 * max(1, len(names)), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rows = logs[name]
+        items = list(dict.fromkeys(k for r in rows for k in (r.get("rubric") or {})))
+        its = [r["iteration"] for r in rows]
+        for item in items:
+            ax.plot(its, [(r.get("rubric") or {}).get(item) for r in rows], marker="o", label=item)
+        ax.plot(its, [r.get("env_score") for r in rows], color="black", linestyle="--", label="env score")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("iteration")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=6)
+    if not names:
+        axes[0][0].text(0.5, 0.5, "no rubric in the train logs (all-or-nothing environments)", ha="center",
+                        va="center", transform=axes[0][0].transAxes, fontsize=9)
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from trace_lib.envs.families import user_split
 from trace_lib.envs.user import is_confirmation_request, split_sentences
+from trace_lib.synth.rubric import share
 from trace_lib.synth.world import (
     TargetWorld,
     gold_world,
@@ -54,15 +55,15 @@ class Template:
     episodes: str
     """What an episode looks like (for the rendered module's docstring)."""
     reward: str
-    """When the episode scores 1."""
+    """When the episode scores 1, and what earns partial credit."""
     difficulty: str
     """What the knob changes."""
     generate: Callable[[Pool, random.Random, int], dict[str, Any]]
     """(pool, rng, difficulty) -> task fields: instruction, user, gold_actions, required_outputs,
     plan (the reference actions) and template-specific meta."""
-    check: Callable[[Episode, dict[str, Any], Checks], bool]
-    """(episode, task, shared checks) -> whether the capability was exercised correctly; episodes cut
-    off by a limit never reach it (they score 0)."""
+    check: Callable[[Episode, dict[str, Any], Checks], dict[str, Any]]
+    """(episode, task, shared checks) -> the rubric (`trace_lib.synth.rubric`): the capability's
+    sub-steps and what must not go wrong; episodes cut off by a limit never reach it (they score 0)."""
 
 
 
@@ -200,6 +201,10 @@ class Episode:
     def said(self, needle: str) -> bool:
         return said(self.trajectory, needle)
 
+    def did_share(self, golds: list[dict[str, Any]]) -> float:
+        """The fraction of `golds` made as successful calls (see `did`)."""
+        return share([self.did(g) for g in golds])
+
     def did(self, gold: dict[str, Any], before: int | None = None) -> bool:
         """Whether a successful call equal to `gold` (name and exact arguments) came before `before`."""
         return any(e.ok and e.name == gold["name"] and _same(e.arguments, gold["arguments"])
@@ -250,8 +255,13 @@ class Checks:
         key = json.dumps(self.target, sort_keys=True), json.dumps(self.task["gold_actions"], sort_keys=True)
         return same_db(self.world, _gold_world(*key))
 
-    def outputs_said(self) -> bool:
-        return all(self.ep.said(r) for r in self.task["required_outputs"])
+    def outputs_said(self) -> float:
+        """The fraction of the required outputs said to the user."""
+        return share([self.ep.said(r) for r in self.task["required_outputs"]])
+
+    def gold_writes(self) -> bool:
+        """Whether the gold actions change the database (else matching it is what doing nothing does)."""
+        return any(self.ep.kinds.get(g["name"]) == "write" for g in self.task["gold_actions"])
 
     def writes_confirmed(self, mention_order: bool = False) -> bool:
         """Every attempted write has its own confirmation since the previous successful write."""

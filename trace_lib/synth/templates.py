@@ -94,12 +94,13 @@ class BoundTemplate:
     def call_tool(self, state: TargetWorld, name: str, arguments: dict[str, Any]) -> str:
         return state.call(name, arguments)
 
-    def evaluate(self, trajectory: dict[str, Any], task: dict[str, Any], state: TargetWorld) -> int:
+    def evaluate(self, trajectory: dict[str, Any], task: dict[str, Any], state: TargetWorld) -> int | dict[str, Any]:
+        """The template's rubric (`trace_lib.synth.rubric`); 0 for an episode cut off by a limit."""
         task = _plain(task)
         ep = Episode(trajectory, self.kinds)
         if ep.termination in ("max_steps", "max_errors"):
             return 0
-        return int(bool(self.template.check(ep, task, Checks(ep, task, state, self.target))))
+        return self.template.check(ep, task, Checks(ep, task, state, self.target))
 
     def solve(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         return copy.deepcopy(_plain(task)["meta"]["reference"])
@@ -125,7 +126,8 @@ def render_template_module(capability: str, target: dict[str, Any], difficulty_d
         f"Synthetic environment for `{capability}` on the {target['name']} target (template synthesizer).",
         para("Trains", CAPABILITY_TAGS[capability] + "."),
         para("Episodes", tpl.episodes),
-        para("Reward", tpl.reward + " Episodes cut off by the step or error limit score 0."),
+        para("Reward", tpl.reward + " Partial credit: the mean of the rubric's steps when every gate holds "
+             "(trace_lib.synth.rubric). Episodes cut off by the step or error limit score 0."),
         para("Difficulty", tpl.difficulty),
         textwrap.fill("Rendered by trace_lib.synth.templates.render_template_module (paper §3.2). The "
                       "generator, the target's tools and the checker live in trace_lib.synth.templates; "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from trace_lib.synth.rubric import rubric
 from trace_lib.synth.template_kit import (
     ASK_IDENTITY, Checks, Episode, Pool, Template, act, call, identity, money, say, sentence, unique_items,
 )
@@ -52,9 +53,10 @@ def _precision_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
     )
 
 
-def _precision_check(ep: Episode, task: dict[str, Any], c: Checks) -> bool:
-    return (all(ep.did(g) for g in task["gold_actions"]) and all(e.ok for e in ep.events)
-            and ep.invalid == 0 and not ep.writes)
+def _precision_check(ep: Episode, task: dict[str, Any], c: Checks) -> dict[str, Any]:
+    return rubric({"gold_calls": ep.did_share(task["gold_actions"]),
+                   "no_failed_call": bool(ep.events) and all(e.ok for e in ep.events)},
+                  {"no_invalid_action": ep.invalid == 0, "no_write": not ep.writes})
 
 
 # --- structured_data_reasoning ------------------------------------------------------------------
@@ -114,8 +116,9 @@ def _structured_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
                       "each nested value (item price, tracking number, amount paid, item option)")
 
 
-def _said_all_no_write(ep: Episode, task: dict[str, Any], c: Checks) -> bool:
-    return c.outputs_said() and not ep.writes
+def _facts_check(ep: Episode, task: dict[str, Any], c: Checks) -> dict[str, Any]:
+    return rubric({"orders_read": ep.did_share(task["gold_actions"]), "facts_said": c.outputs_said()},
+                  {"no_write": not ep.writes})
 
 
 # --- identity_verification ----------------------------------------------------------------------
@@ -148,9 +151,10 @@ def _identity_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
     )
 
 
-def _identity_check(ep: Episode, task: dict[str, Any], c: Checks) -> bool:
+def _identity_check(ep: Episode, task: dict[str, Any], c: Checks) -> dict[str, Any]:
     meta = task["meta"]
-    return c.authenticated_first(meta["user_id"], meta["orders"]) and c.outputs_said() and not ep.writes
+    return rubric({"identified_first": c.authenticated_first(meta["user_id"], meta["orders"]),
+                   "answer_said": c.outputs_said()}, {"no_write": not ep.writes})
 
 
 # --- communicate_result -------------------------------------------------------------------------
@@ -175,26 +179,28 @@ TEMPLATES = (
     Template("tool_call_precision",
              "the user asks for the status of 1-3 of their orders, giving the ids with or without the '#'; "
              "from difficulty 2 they also give first name, last name and zip and ask for the email on file.",
-             "1 iff every gold call (the exact order ids with '#', the exact name and zip, the user id found) "
-             "succeeded, no tool call failed, no action was invalid and nothing was written.",
+             "steps gold_calls (share of the gold calls made and accepted: the exact order ids with '#', the "
+             "exact name and zip, the user id found) and no_failed_call; gates no_invalid_action, no_write.",
              "0: one order; 1: two orders; 2: plus the name+zip lookup and account read; 3: three orders, plus both.",
              _precision_task, _precision_check),
     Template("structured_data_reasoning",
              "the user asks for values nested in order records: an item's price among several items, the "
              "tracking number inside the fulfilment, the amount in the payment history, an item's option.",
-             "1 iff every requested value was said to the user (numbers in any format) and nothing was written.",
+             "steps orders_read (share of the orders read) and facts_said (share of the requested values said, "
+             "numbers in any format); gate no_write.",
              "0: one value of one order; 1: two values; 2: three values over two orders; 3: four values.",
-             _structured_task, _said_all_no_write),
+             _structured_task, _facts_check),
     Template("identity_verification",
              "the user asks about their account (address on file, the status of their order(s)) without "
              "saying who they are; they give their email, or name and zip when they forgot it, once asked.",
-             "1 iff a successful identity lookup returned this user before any other tool call, only this "
-             "user's account and orders were read afterwards, the answer was said and nothing was written.",
+             "steps identified_first (a successful identity lookup returned this user before any other call, "
+             "and only this user's account and orders were read afterwards) and answer_said; gate no_write.",
              "0: address; 1: status of the only order; 2: either, by name and zip; 3: all 2-3 orders.",
              _identity_task, _identity_check),
     Template("communicate_result",
              "the user asks for facts the order lookup returns: status, the items in it, the city it ships to.",
-             "1 iff every fact asked for (each item name of a list) was said to the user and nothing was written.",
+             "steps orders_read (share of the orders read) and facts_said (share of the facts asked for said, each "
+             "item name of a list); gate no_write.",
              "0: one status; 1: two facts; 2: three facts over two orders; 3: four facts over two orders.",
-             _communicate_task, _said_all_no_write),
+             _communicate_task, _facts_check),
 )

@@ -18,7 +18,7 @@ and the checks go on, so a synthesizer gets all of its problems at once):
     diverse           distinct tasks over the seeds >= min_distinct_tasks x n_seeds
     task_schema       every generated dict makes a `Task` record
     reference_solves  replaying solve(task) against the scripted user scores 1 on every seed
-    do_nothing_fails  "I cannot help with that." scores 1 on at most max_do_nothing_pass of the seeds
+    do_nothing_fails  "I cannot help with that." scores above 0 on at most max_do_nothing_pass of the seeds
     random_fails      random tools on random seen strings score 1 on at most max_random_pass
     band              (cfg.band and a policy) the policy's pass rate lies in [band_lo, band_hi] and
                       some seed's samples disagree, so GRPO gets a learning signal
@@ -283,7 +283,8 @@ def _share_check(run: _Run, label: str, passes: int, limit: float) -> str:
 def _do_nothing_fails(run: _Run) -> str:
     env = run.env()
     say = Message(role="assistant", content=DO_NOTHING_TEXT)
-    passes = sum(_run_episode(env, t, lambda i: say)[0] >= 1 for t in run.tasks)
+    # > 0, not >= 1: under a rubric, partial credit for doing nothing would be a reward GRPO can farm
+    passes = sum(_run_episode(env, t, lambda i: say)[0] > 0 for t in run.tasks)
     return _share_check(run, "an agent that does nothing", passes, run.cfg.max_do_nothing_pass)
 
 

@@ -275,11 +275,15 @@ class Worker:
             return {"text": f"Error: call_tool returned {type(text).__name__}, expected str", "error": True}
         return {"text": text, "error": False}
 
-    def evaluate(self, handle: str, trajectory: dict[str, Any], task: dict[str, Any]) -> int:
+    def evaluate(self, handle: str, trajectory: dict[str, Any], task: dict[str, Any]) -> dict[str, Any]:
+        """The module's verdict as `{"score", "steps", "gates"}` (`trace_lib.synth.rubric.verdict`)."""
+        from trace_lib.synth.rubric import RubricError, verdict
+
         value = self._mod().evaluate(trajectory, task, self._state(handle))
-        if isinstance(value, bool) or value in (0, 1):
-            return int(value)
-        raise WorkerError(f"evaluate returned {value!r}, expected 0 or 1")
+        try:
+            return verdict(value)
+        except RubricError as err:
+            raise WorkerError(str(err)) from None
 
     def solve(self, task: dict[str, Any]) -> Any:
         return self._mod().solve(task)

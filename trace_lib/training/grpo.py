@@ -61,6 +61,7 @@ from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
 from trace_lib.records import Message, Task
+from trace_lib.synth.rubric import item_means
 from trace_lib.training.hints import hinted_samples, with_hint
 
 TRUNCATION_MARK = " ...[truncated]"
@@ -103,6 +104,8 @@ class Episode:
     """The opening the episode is played from when it differs from the trained `prompt_ids` (the
     hint swap: the opening with expert guidance; the guidance is not in the trained sequence)."""
     env_reward: float = 0.0
+    rubric: dict[str, Any] | None = None
+    """The environment's multi-level verdict ({"steps", "gates"}), when it gives one."""
     reward: float = 0.0
     success: bool = False
 
@@ -288,7 +291,8 @@ class AgentRollout:
             model.train(was_training)
         self.on_rollouts(len(episodes))
         for ep in episodes:
-            ep.env_reward, _ = ep.env.reward()
+            ep.env_reward, info = ep.env.reward()
+            ep.rubric = info.get("rubric")
             ep.success = ep.env_reward >= 1.0
             ep.reward = float(self.reward.score(ep.env_reward, ep.success, ep.tool_calls))
         masks, zero_std = self._masks(episodes)
@@ -307,6 +311,8 @@ class AgentRollout:
             "success_rate_unhinted": sum(ep.success for ep in unguided) / len(unguided) if unguided else None,
             "success_rate_hinted": sum(ep.success for ep in guided) / len(guided) if guided else None,
             "frac_reward_zero_std": zero_std,
+            "env_score": sum(ep.env_reward for ep in episodes) / n,
+            "rubric": item_means([ep.rubric for ep in episodes]) or None,
             "tool_calls": sum(ep.tool_calls for ep in episodes) / n,
             "tool_calls_correct": epoch["tool_calls_correct"],
             "l_t": epoch["l_t"],

@@ -1,11 +1,16 @@
-"""Training rewards: the environment's 0/1, or the efficiency-aware trajectory reward.
+"""Training rewards: the environment's score, or the efficiency-aware trajectory reward.
 
 Reads nothing and writes nothing; the GRPO trainer (training/trainer.py) calls it once per finished
 episode and once per epoch. Implements the efficiency-aware trajectory reward, the second idea this
 package carries next to TRACE (a reward option of the trainer, not a separate pipeline):
 
     R = R+ - λ·max(0, tool_calls - l_t)    for a correct trajectory
-    R = R-                                 for a wrong one
+    R = R- + c·s·(R+ - λ·M - R-)           for a wrong one
+
+where s in [0, 1) is the environment's partial score (multi-level rewards: a synthetic environment's
+rubric, `trace_lib.synth.rubric`; 0 where the environment is all-or-nothing), c = `partial_credit`
+and M = `max_tool_calls`, so a wrong trajectory earns a share of the way to the lowest correct reward
+and never reaches it. Without the efficiency option R+ = 1, R- = 0 and λ = 0.
 
 and, at the end of every epoch after W warm-up epochs, l_t ← min(l_t, fewest tool calls among that
 epoch's correct trajectories), so the threshold never rises. In the trainer an epoch is one GRPO
@@ -33,15 +38,16 @@ class EfficiencyReward:
         self.history: list[dict[str, Any]] = []
         """Per epoch: l_t used, l_t after the update, correct trajectories and their mean tool calls."""
 
-    def reward(self, success: bool, tool_calls: int) -> float:
+    def reward(self, success: bool, tool_calls: int, partial: float = 0.0) -> float:
+        """R for a correct trajectory with `tool_calls` calls, or a wrong one with partial score `partial`."""
         if not success:
-            return self.cfg.r_neg
+            return failure_reward(self.cfg, partial, self.cfg.r_pos - self.cfg.lam * self.cfg.max_tool_calls)
         excess = max(0, min(tool_calls, self.cfg.max_tool_calls) - self.threshold)
         return self.cfg.r_pos - self.cfg.lam * excess
 
     def score(self, env_reward: float, success: bool, tool_calls: int) -> float:
-        """The training reward of a finished episode (the env's own reward only decides success)."""
-        return self.reward(success, tool_calls)
+        """The training reward of a finished episode (the env's score decides success and partial credit)."""
+        return self.reward(success, tool_calls, env_reward)
 
     def end_epoch(self, correct_tool_calls: list[int]) -> dict[str, Any]:
         """Close an epoch; after W warm-up epochs, tighten l_t to the fewest calls of a correct run.
@@ -71,17 +77,25 @@ class EfficiencyReward:
         self.history = list(state.get("history", []))
 
 
+def failure_reward(cfg: RewardConfig, partial: float, lowest_correct: float) -> float:
+    """R- + c·s·(lowest correct reward - R-): partial credit that stays below every success."""
+    s = min(max(float(partial), 0.0), 1.0)
+    return cfg.r_neg + cfg.partial_credit * s * (lowest_correct - cfg.r_neg)
+
+
 class EnvReward:
-    """The environment's own reward, with EfficiencyReward's bookkeeping (l_t stays None)."""
+    """The environment's score: 1 for a success, c·s for a failure with partial score s (multi-level
+    rewards; `RewardConfig.partial_credit`), with EfficiencyReward's bookkeeping (l_t stays None)."""
 
     threshold = None
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RewardConfig | None = None) -> None:
+        self.cfg = (cfg or RewardConfig()).model_copy(update={"r_pos": 1.0, "r_neg": 0.0})
         self.epochs = 0
         self.history: list[dict[str, Any]] = []
 
     def score(self, env_reward: float, success: bool, tool_calls: int) -> float:
-        return float(env_reward)
+        return 1.0 if success else failure_reward(self.cfg, env_reward, 1.0)
 
     def end_epoch(self, correct_tool_calls: list[int]) -> dict[str, Any]:
         self.epochs += 1
@@ -101,4 +115,4 @@ class EnvReward:
 
 def make_reward(cfg: RewardConfig) -> EfficiencyReward | EnvReward:
     """The trainer's reward: efficiency-aware when `cfg.efficiency`, else the environment's reward."""
-    return EfficiencyReward(cfg) if cfg.efficiency else EnvReward()
+    return EfficiencyReward(cfg) if cfg.efficiency else EnvReward(cfg)

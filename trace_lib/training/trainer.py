@@ -86,7 +86,7 @@ SNAPSHOTS = "snapshots"
 """Sub-folder of an adapter with the adapter of each earlier checkpoint (`train.snapshots`)."""
 LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "tool_calls", "tool_calls_correct",
             "l_t", "completion_tokens", "completion_length", "trained_tokens", "hinted", "success_rate_unhinted",
-            "success_rate_hinted")
+            "success_rate_hinted", "env_score", "rubric")
 """Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
 TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
             "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
@@ -277,6 +277,8 @@ def keep_snapshot(checkpoint: Path, dest: Path, iteration: int, rollouts: int) -
 
 
 def _round(v: Any) -> Any:
+    if isinstance(v, dict):  # the rubric's item means
+        return {k: _round(x) for k, x in v.items()}
     return round(v, 6) + 0.0 if isinstance(v, float) else v  # + 0.0: no "-0.0" in the log
 
 
