@@ -244,7 +244,8 @@ def test_breaking_the_capability_fails_a_named_rubric_item(bound, cap):
                 score, info = play_rubric(b, task, variant)
                 assert score < 1.0, (d, seed, variant)
                 if "steps" in info:  # not cut off by a limit
-                    missed = [k for k, v in info["steps"].items() if v < 1] + [k for k, v in info["gates"].items() if not v]
+                    missed = ([k for k, v in info["steps"].items() if v < 1]
+                              + [k for k, v in info["gates"].items() if not v])
                     assert missed, (d, seed, info)
                     assert score == (0.0 if not all(info["gates"].values())
                                      else sum(info["steps"].values()) / len(info["steps"]))

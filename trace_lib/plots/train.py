@@ -39,9 +39,14 @@ reward is off, fields added after a log was written."""
 RUBRIC_PREFIX = "rubric/"
 
 
+def rubric_items(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The rubric items an adapter's train-log rows hold, in first-seen order."""
+    return list(dict.fromkeys(k for row in rows for k in (row.get("rubric") or {})))
+
+
 def train_log_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     """One adapter's train-log rows as CSV text with `CSV_COLUMNS` (missing or null values empty)."""
-    items = list(dict.fromkeys(k for row in rows for k in (row.get("rubric") or {})))
+    items = rubric_items(rows)
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(list(CSV_COLUMNS) + [RUBRIC_PREFIX + k for k in items])
@@ -136,9 +141,8 @@ def rubric_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str = "")
     fig, axes = plt.subplots(1, max(1, len(names)), figsize=(3.6 * max(1, len(names)), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         rows = logs[name]
-        items = list(dict.fromkeys(k for r in rows for k in (r.get("rubric") or {})))
         its = [r["iteration"] for r in rows]
-        for item in items:
+        for item in rubric_items(rows):
             ax.plot(its, [(r.get("rubric") or {}).get(item) for r in rows], marker="o", label=item)
         ax.plot(its, [r.get("env_score") for r in rows], color="black", linestyle="--", label="env score")
         ax.set_ylim(-0.05, 1.05)

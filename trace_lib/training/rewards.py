@@ -41,7 +41,8 @@ class EfficiencyReward:
     def reward(self, success: bool, tool_calls: int, partial: float = 0.0) -> float:
         """R for a correct trajectory with `tool_calls` calls, or a wrong one with partial score `partial`."""
         if not success:
-            return failure_reward(self.cfg, partial, self.cfg.r_pos - self.cfg.lam * self.cfg.max_tool_calls)
+            lowest_correct = self.cfg.r_pos - self.cfg.lam * self.cfg.max_tool_calls
+            return failure_reward(partial, self.cfg.partial_credit, self.cfg.r_neg, lowest_correct)
         excess = max(0, min(tool_calls, self.cfg.max_tool_calls) - self.threshold)
         return self.cfg.r_pos - self.cfg.lam * excess
 
@@ -77,10 +78,10 @@ class EfficiencyReward:
         self.history = list(state.get("history", []))
 
 
-def failure_reward(cfg: RewardConfig, partial: float, lowest_correct: float) -> float:
-    """R- + c·s·(lowest correct reward - R-): partial credit that stays below every success."""
+def failure_reward(partial: float, credit: float, r_neg: float, lowest_correct: float) -> float:
+    """R- + c·s·(lowest correct reward - R-) for partial score s and credit c: stays below every success."""
     s = min(max(float(partial), 0.0), 1.0)
-    return cfg.r_neg + cfg.partial_credit * s * (lowest_correct - cfg.r_neg)
+    return r_neg + credit * s * (lowest_correct - r_neg)
 
 
 class EnvReward:
@@ -90,12 +91,12 @@ class EnvReward:
     threshold = None
 
     def __init__(self, cfg: RewardConfig | None = None) -> None:
-        self.cfg = (cfg or RewardConfig()).model_copy(update={"r_pos": 1.0, "r_neg": 0.0})
+        self.credit = (cfg or RewardConfig()).partial_credit
         self.epochs = 0
         self.history: list[dict[str, Any]] = []
 
     def score(self, env_reward: float, success: bool, tool_calls: int) -> float:
-        return 1.0 if success else failure_reward(self.cfg, env_reward, 1.0)
+        return 1.0 if success else failure_reward(env_reward, self.credit, 0.0, 1.0)
 
     def end_epoch(self, correct_tool_calls: list[int]) -> dict[str, Any]:
         self.epochs += 1
