@@ -31,10 +31,11 @@ from trace_lib.evaluation.tables import (
     table1,
     table1_long,
 )
-from trace_lib.io import write_json
+from trace_lib.io import write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.records import (
     AdapterManifest,
+    Label,
     Message,
     RouteDecision,
     Task,
@@ -43,6 +44,7 @@ from trace_lib.records import (
 )
 from trace_lib.routing.compose import merge_label
 from trace_lib.routing.route import RouteCandidate
+from trace_lib.routing.routers import calibrate, label_prior
 from trace_lib.training.budget import RolloutLedger
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
@@ -178,6 +180,24 @@ def test_route_all_scores_label_tokens_and_none_routes_to_base(policy):
     assert with_top_p([forced_none], 0.5)[0].weights == {}  # none alone reaches p: the base model
 
 
+def test_route_all_calibrated_divides_by_the_content_free_prior(policy):
+    tasks = [kv_task(i) for i in range(3)]
+    cands = [RouteCandidate(capability_id="a", description="looks values up"),
+             RouteCandidate(capability_id="b", description="writes values")]
+    cfg = EvaluateConfig(batch_size=2)
+    raw = route_all(policy, tasks, cands, cfg, KVEnv)
+    cal = route_all(policy, tasks, cands, cfg, KVEnv, router="calibrated")
+    prior = label_prior(policy, cands)
+    assert prior.shape == (3,) and prior.sum() == pytest.approx(1.0)
+    for r, c in zip(raw, cal, strict=True):
+        assert c.router == "calibrated" and c.label_mass == r.label_mass
+        assert c.probs == pytest.approx(calibrate(r.probs, prior))
+        best = max(range(3), key=lambda i: c.probs[i])
+        assert c.weights == ({} if best == 2 else {c.candidates[best]: 1.0})
+    with pytest.raises(ValueError, match="needs the score stage's labels"):
+        route_all(policy, tasks, cands, cfg, KVEnv, router="knn")
+
+
 def test_interference_matrix_long_form(policy):
     envs = {"e1": (KVEnv, [kv_task(1)]), "e2": (KVEnv, [kv_task(2), kv_task(3)])}
     rows = interference_matrix(policy, ["a", "b"], envs, CFG, seed=0)
@@ -210,6 +230,9 @@ def test_routing_quality_on_constructed_decisions():
     assert q["none_share"] == 0.5 and q["mean_label_mass"] == 0.5 and q["note"] == ""
     none = routing_quality(ds[3:], tasks[3:], adapters)
     assert none["scored"] == 0 and none["router_accuracy"] is None and "no task carries" in none["note"]
+    assert q["majority_accuracy"] == pytest.approx(1 / 3) and q["solved_on_none"] is None
+    solved = routing_quality(ds, tasks, adapters, solved={"t0", "t2", "t3", "elsewhere"})
+    assert solved["solved_tasks"] == 3 and solved["solved_on_none"] == pytest.approx(2 / 3)
     assert oracle_decisions(tasks, adapters) == {"t0": {"precondition_verification": 1.0},
                                                  "t1": {"structured_data_reasoning": 1.0}, "t2": {}, "t3": {}}
 
@@ -289,7 +312,13 @@ def test_baseline_row_at_equal_budget_from_ledgers(tmp_path):
     assert sorted(caps) == ["a", "b"] and sorted(baselines) == ["grpo_target"]
     assert adapter_budget(tmp_path, "a") == (300, "data/train/a/rollouts.jsonl")
     budget = trace_budget(tmp_path, ["a", "b"])
-    assert budget == {"total": 660, "by_adapter": {"a": 300, "b": 340}, "synthesize": 20}
+    assert budget == {"total": 660, "by_adapter": {"a": 300, "b": 340}, "synthesize": 20, "discovery": 0}
+    rollouts = Paths(tmp_path).rollouts("train")
+    rollouts.parent.mkdir(parents=True, exist_ok=True)
+    rollouts.write_text("{}\n{}\n\n{}\n")  # three discovery episodes on the target (blank lines skipped)
+    charged = trace_budget(tmp_path, ["a", "b"], "train")
+    assert (charged["total"], charged["discovery"]) == (663, 3)
+    rollouts.unlink()
     n, src = adapter_budget(tmp_path, "grpo_target", baseline=True)
     assert (n, src) == (660, "data/train/_baselines/grpo_target/rollouts.jsonl")
     Paths(tmp_path).train_ledger("a").unlink()
@@ -336,15 +365,32 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
         "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
         "env": {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2},
         "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
-        "evaluate": {"interference_seeds": 0, "n_boot": 100},
+        "evaluate": {"interference_seeds": 0, "n_boot": 100, "router": "knn", "knn_k": 1},
     })
+    # the rollout and score stages' outputs the kNN router learns from: order_total lacked
+    # structured_data_reasoning, refuse_cancel lacked nothing an adapter trains (and was solved)
+    paths = Paths(tmp_path)
+    write_jsonl(paths.rollouts("train"), [
+        Trajectory(id=f"{f}-train-000#0", task_id=f"{f}-train-000", env="retail", family=f, split="train",
+                   policy_id="p", seed=0, messages=[], reward=float(ok), success=ok, termination="agent_stop",
+                   tool_calls=0, invalid_actions=0, tool_errors=0, turns=1, prompt_tokens=1, completion_tokens=1)
+        for f, ok in (("order_total", False), ("refuse_cancel", True))])
+    write_jsonl(paths.labels, [
+        Label(trajectory_id="order_total-train-000#0", capability_id="structured_data_reasoning", label="LACKING"),
+        Label(trajectory_id="refuse_cancel-train-000#0", capability_id="communicate_result", label="LACKING")])
     metrics = run_evaluate(params, tmp_path, progress=False)
+    routers = metrics["routers"]
+    assert set(routers) == {"logits", "calibrated", "knn"}
+    assert routers["knn"]["train"]["solved_tasks"] == 1 and routers["knn"]["train"]["scored"] == 2
+    assert metrics["routing"] == routers["knn"]["test"] and metrics["routing"]["router"] == "knn"
     methods = metrics["methods"]
     ran = {k for k, v in methods.items() if v["status"] == "run"}
     assert ran == {"base", "linear_merge", "single_best", "single_precondition_verification",
                    "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p"}
     assert methods["gepa"]["reason"] == RULES_REASON and "no adapter at" in methods["grpo_target"]["reason"]
-    assert methods["trace_argmax"]["rollouts"] == 16 and metrics["trace_budget"]["total"] == 16
+    # TRACE's budget: 2 x 8 training rollouts plus the 2 discovery rollouts on the target
+    assert methods["trace_argmax"]["rollouts"] == 18 and metrics["trace_budget"]["total"] == 18
+    assert metrics["trace_budget"]["discovery"] == 2 == metrics["analysis_rollouts"]
     assert metrics["routing"]["scored"] == 2 and metrics["tasks"] == 2
     # base, linear merge and the two singles decode 2 tasks each; oracle and TRACE argmax reuse them
     # (top-p merges may add new weight states)
@@ -356,6 +402,12 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     assert {o["task_id"].split("-")[0]: o["adapter"] for o in oracle} == {
         "order_total": "structured_data_reasoning", "refuse_cancel": "precondition_verification"}
     assert len((out / "routes" / "trace_top_p.jsonl").read_text().splitlines()) == 2
+    knn = {d["task_id"].split("-")[0]: d for d in map(json.loads, (out / "routes" / "trace_argmax.jsonl").open())}
+    assert {f: (d["router"], d["weights"]) for f, d in knn.items()} == {  # each test task's one neighbour
+        "order_total": ("knn", {"structured_data_reasoning": 1.0}), "refuse_cancel": ("knn", {})}
+    assert sorted(p.name for p in (out / "routes").iterdir()) == [
+        "router_calibrated.jsonl", "router_logits.jsonl", "trace_argmax.jsonl", "trace_top_p.jsonl"]
+    assert "knn (test)" in (tmp_path / "reports" / "tables" / "routing.md").read_text()
     results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in results} == ran - {"single_best"}
     skipped = not_run_table(metrics)

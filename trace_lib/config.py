@@ -344,6 +344,14 @@ class EvaluateConfig(Section):
     """TRACE rows: 'argmax' (one adapter or none), 'top_p' (α-weighted merge of the top-p labels), or both."""
     top_p: float = Field(0.9, gt=0, le=1)
     """Probability mass the top-p router keeps (the none-label's share stays with the base model)."""
+    router: Literal["logits", "calibrated", "knn"] = "logits"
+    """What scores TRACE's labels: `logits` (the paper: the base model's label-token probabilities),
+    `calibrated` (the same with contextual calibration: divided by the probabilities of content-free
+    openings), or `knn` (the k most similar train tasks vote with the capability the analyst found
+    lacking in their rollouts; `trace_lib.routing.routers`). All three are reported on the train and
+    test splits; this one drives the TRACE rows."""
+    knn_k: int = Field(3, ge=1)
+    """`knn` router: neighbours that vote (train tasks; a train task never votes for itself)."""
     retrieval_k: int | None = Field(None, ge=1)
     """Candidates offered per task: the capabilities of the k most similar openings of synthetic training
     tasks (MiniLM embeddings); None: every capability. With retrieval on, a capability without a
@@ -425,7 +433,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16"},
         # evaluate on CPU: greedy episodes of the base model and of TRACE's argmax routing (the oracle
         # router shares their episodes where it picks the same weights); the other methods are 'not run'.
-        "evaluate": {"methods": ["base", "oracle_route", "trace"], "route_mode": "argmax", "interference_seeds": 2},
+        # router chosen on the train split (agreement with the task tags, 2026-11-25 run): calibrated 0.50,
+        # knn 0.21, logits 0.00 (raw label logits sent every task to "none")
+        "evaluate": {"methods": ["base", "oracle_route", "trace"], "route_mode": "argmax", "interference_seeds": 2,
+                     "router": "calibrated"},
     },
     "paper": {
         "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "dtype": "bfloat16"},

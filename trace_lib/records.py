@@ -220,6 +220,7 @@ class ValidationReport(BaseModel):
 
 
 RouteMode = Literal["argmax", "top_p"]
+RouterName = Literal["logits", "calibrated", "knn"]
 
 
 class RouteDecision(BaseModel):
@@ -233,9 +234,12 @@ class RouteDecision(BaseModel):
     labels: list[str]
     """One per candidate, then the none-label."""
     probs: list[float]
-    """Softmax over the label tokens' logits, aligned with `labels` (sums to 1)."""
+    """The router's probabilities, aligned with `labels` (sum to 1): the softmax over the label tokens'
+    logits (`logits`), the same divided by the label prior (`calibrated`), or kNN vote shares (`knn`)."""
     label_mass: float | None = None
-    """Full-vocabulary probability of the label tokens: how well the model kept to the format."""
+    """Full-vocabulary probability of the label tokens: how well the model kept to the format (None: knn)."""
+    router: RouterName = "logits"
+    """Which router produced `probs` (`trace_lib.routing.route`, `trace_lib.routing.routers`)."""
     weights: dict[str, float] = Field(default_factory=dict)
     """Adapter -> α. Empty: base model; {c: 1.0}: adapter c alone; otherwise a weighted merge."""
 

@@ -15,8 +15,8 @@ Reads (all optional — a missing piece turns the rows that need it into 'not ru
     data/score/kept.jsonl                  the kept capabilities (router descriptions)
 
 Writes nothing. Paper §4: methods are compared at equal rollout budget, so TRACE's budget is every
-rollout its adapters cost (training plus the synthesize stage's band checks) and `trace_budget` is
-the number a baseline trainer should be given.
+rollout the method cost (the discovery rollouts on the target, the adapters' training and the
+synthesize stage's band checks) and `trace_budget` is the number a baseline trainer should be given.
 
 Router examples (paper §3.4 shows each candidate with a solved trajectory): the train stage keeps no
 trajectories, so each candidate's example is the synthetic environment's reference solution
@@ -78,14 +78,18 @@ def adapter_budget(root: Path, name: str, baseline: bool = False) -> tuple[int, 
     return int(manifest.rollouts_used), "manifest"
 
 
-def trace_budget(root: Path, names: list[str]) -> dict[str, Any]:
-    """TRACE's rollouts: every capability adapter's training plus the synthesize stage's band checks.
+def trace_budget(root: Path, names: list[str], rollout_split: str | None = None) -> dict[str, Any]:
+    """TRACE's rollouts: the base agent's discovery rollouts on the target (`rollout_split`'s
+    trajectories; None: not charged), every capability adapter's training and the synthesize stage's
+    band checks, as the paper's scaling curves charge them.
 
     This is the budget a baseline (GRPO on the target, merged data, GEPA) is given."""
     by_adapter = {n: adapter_budget(root, n)[0] for n in names}
     synth = Paths(root).synth_rollouts
     band = int(total_rollouts([synth])["total"]) if synth.is_file() else 0
-    return {"total": sum(by_adapter.values()) + band, "by_adapter": by_adapter, "synthesize": band}
+    discovery = analysis_rollouts(root, rollout_split) if rollout_split is not None else 0
+    return {"total": sum(by_adapter.values()) + band + discovery, "by_adapter": by_adapter, "synthesize": band,
+            "discovery": discovery}
 
 
 def check_base_model(folder: Path, base_id: str) -> None:
@@ -148,7 +152,7 @@ def retrieval_openings(box: Any, capability: str, seeds: list[int], difficulty: 
 
 
 def analysis_rollouts(root: Path, split: str) -> int:
-    """Episodes the rollout stage spent on the target's train split (discovery; reported, not budgeted)."""
+    """Episodes the rollout stage spent on the target's train split (discovery; part of TRACE's budget)."""
     path = Paths(root).rollouts(split)
     if not path.is_file():
         return 0

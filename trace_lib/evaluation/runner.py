@@ -14,7 +14,7 @@ only by their weights and the paired tests compare like with like.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,13 @@ from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import EnvConfig, EvaluateConfig, RolloutConfig
 from trace_lib.envs import load_tasks, task_split
 from trace_lib.envs.base import Environment
-from trace_lib.records import Task, Trajectory
+from trace_lib.records import RouterName, Task, Trajectory
 from trace_lib.routing.compose import apply_route, merge_label
 from trace_lib.routing.route import (
     RetrievalIndex,
     RouteCandidate,
     RouteDecision,
+    candidates_per_task,
     oracle_route,
     random_route,
     route_argmax,
@@ -35,6 +36,7 @@ from trace_lib.routing.route import (
     route_top_p,
     task_opening,
 )
+from trace_lib.routing.routers import KnnRouter, calibrated_decisions, knn_decisions
 
 INTERFERENCE_SEED0 = 1_000_000
 """Synthetic-env seeds of the interference matrix start here: never a validation seed (0..n_seeds) nor
@@ -143,14 +145,27 @@ def task_openings(tasks: Sequence[Task], env_factory: Callable[[], Environment])
 
 
 def route_all(policy: Any, tasks: Sequence[Task], candidates: Sequence[RouteCandidate], cfg: EvaluateConfig,
-              env_factory: Callable[[], Environment], index: RetrievalIndex | None = None) -> list[RouteDecision]:
-    """Argmax decisions for every task (the router scores each task once; `with_top_p` derives the
-    top-p weights from the same probabilities)."""
+              env_factory: Callable[[], Environment], index: RetrievalIndex | None = None,
+              knn: KnnRouter | None = None, router: RouterName | None = None) -> list[RouteDecision]:
+    """Argmax decisions for every task by `router` (default `cfg.router`; the router scores each task
+    once, `with_top_p` derives the top-p weights from the same probabilities). `knn` is the kNN router's
+    labelled train tasks (needed for router 'knn')."""
+    router = router or cfg.router
     if not tasks:
         return []
-    return route_tasks(policy, task_openings(tasks, env_factory), candidates, mode="argmax", top_p=cfg.top_p,
-                       index=index, k=cfg.retrieval_k if index is not None else None,
-                       task_ids=[t.id for t in tasks], batch_size=cfg.batch_size or 8)
+    openings, ids = task_openings(tasks, env_factory), [t.id for t in tasks]
+    k = cfg.retrieval_k if index is not None else None
+    batch = cfg.batch_size or 8
+    if router == "knn":
+        if knn is None:
+            raise ValueError("evaluate.router 'knn' needs the score stage's labels of the train rollouts")
+        per_task = [[c.capability_id for c in cs] for cs in candidates_per_task(openings, candidates, index, k)]
+        return knn_decisions(knn, openings, per_task, cfg.knn_k, "argmax", cfg.top_p, ids)
+    decisions = route_tasks(policy, openings, candidates, mode="argmax", top_p=cfg.top_p, index=index, k=k,
+                            task_ids=ids, batch_size=batch)
+    if router == "calibrated":
+        decisions = calibrated_decisions(policy, decisions, candidates, "argmax", cfg.top_p, batch)
+    return decisions
 
 
 def with_top_p(decisions: Sequence[RouteDecision], p: float) -> list[RouteDecision]:
@@ -172,10 +187,12 @@ NONE = "none"
 
 
 def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], adapters: Sequence[str],
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, solved: Collection[str] | None = None) -> dict[str, Any]:
     """Router vs oracle on tasks with capability tags: confusion counts (oracle row, router column;
-    'none' = base model), accuracy of the router and of a seeded uniform random router over the same
-    candidates (plus that random router's expected accuracy). Untagged tasks (τ²) are not scored."""
+    'none' = base model), accuracy of the router, of a seeded uniform random router over the same
+    candidates (plus that random router's expected accuracy) and of the best constant router (always
+    the oracle's most common label). Untagged tasks (τ²) are not scored. `solved`: ids of tasks the
+    base model solves; `solved_on_none` is the share of them the router leaves on the base model."""
     by_id = {d.task_id: d for d in decisions}
     labels = [*sorted(adapters), NONE]
     confusion = {o: {r: 0 for r in labels} for o in labels}
@@ -194,14 +211,20 @@ def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], a
         hits += routed == oracle
         rand_hits += rand == oracle
         expected += (oracle in d.candidates or oracle == NONE) / (len(d.candidates) + 1)
-    routed_none = sum(route_argmax(d.probs, d.candidates) is None for d in decisions)
+    routed_none = {d.task_id for d in decisions if route_argmax(d.probs, d.candidates) is None}
     masses = [d.label_mass for d in decisions if d.label_mass is not None]
+    majority = max((sum(row.values()) for row in confusion.values()), default=0)
+    solved_ids = sorted(set(solved or ()) & set(by_id))
     return {
+        "router": decisions[0].router if decisions else None,
         "tasks": len(decisions), "scored": scored, "labels": labels, "confusion": confusion,
         "router_accuracy": hits / scored if scored else None,
         "random_accuracy": rand_hits / scored if scored else None,
         "random_expected": expected / scored if scored else None,
-        "none_share": routed_none / len(decisions) if decisions else None,
+        "majority_accuracy": majority / scored if scored else None,
+        "none_share": len(routed_none) / len(decisions) if decisions else None,
+        "solved_tasks": len(solved_ids) if solved is not None else None,
+        "solved_on_none": (sum(t in routed_none for t in solved_ids) / len(solved_ids)) if solved_ids else None,
         "mean_label_mass": sum(masses) / len(masses) if masses else None,
         "note": "" if scored else "no task carries capability tags (τ² tasks): router accuracy is undefined",
     }

@@ -164,13 +164,24 @@ def routing_table(runs: Sequence[MethodRun], trace_total: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["method", "overall", "Δ vs base (pp)", "McNemar p", "rollouts", "note"])
 
 
-def router_quality_table(quality: dict[str, Any]) -> pd.DataFrame:
-    """Router accuracy against the oracle (capability tags), and a random router's."""
+ROUTER_METRICS = ("tasks", "scored", "router_accuracy", "random_accuracy", "random_expected", "majority_accuracy",
+                  "none_share", "solved_tasks", "solved_on_none", "mean_label_mass")
+
+
+def router_quality_table(quality: dict[str, Any], routers: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
+    """Router accuracy against the oracle (capability tags), a random and a constant router's: one
+    `value` column for `quality`, or one column per router and split when `routers`
+    ({router: {"train": quality, "test": quality} or {"note": why not run}}) is given."""
     def fmt(v: Any) -> str:
         return EMPTY if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 
-    keys = ("tasks", "scored", "router_accuracy", "random_accuracy", "random_expected", "none_share", "mean_label_mass")
-    return pd.DataFrame([{"metric": k, "value": fmt(quality.get(k))} for k in keys], columns=["metric", "value"])
+    if not routers:
+        return pd.DataFrame([{"metric": k, "value": fmt(quality.get(k))} for k in ROUTER_METRICS],
+                            columns=["metric", "value"])
+    columns = {f"{name} ({split})": res.get(split, {}) for name, res in routers.items() for split in ("train", "test")}
+    rows = [{"metric": k, **{col: fmt(q.get(k)) if q else "not run" for col, q in columns.items()}}
+            for k in ROUTER_METRICS]
+    return pd.DataFrame(rows, columns=["metric", *columns])
 
 
 def interference_frame(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:

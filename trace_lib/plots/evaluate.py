@@ -77,7 +77,7 @@ def routing_confusion(quality: dict[str, Any], title: str = "") -> plt.Figure:
     sns.heatmap(counts, annot=True, fmt="d", cmap="Blues", xticklabels=labels, yticklabels=labels, ax=ax, cbar=False)
     acc = quality.get("router_accuracy")
     rnd = quality.get("random_accuracy")
-    ax.set_xlabel("router (argmax)")
+    ax.set_xlabel(f"router ({quality.get('router') or 'logits'}, argmax)")
     ax.set_ylabel("oracle (task tags)")
     ax.tick_params(axis="x", rotation=25, labelsize=8)
     ax.tick_params(axis="y", rotation=0, labelsize=8)

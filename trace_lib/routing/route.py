@@ -239,7 +239,8 @@ def route_top_p(probs: Sequence[float], candidates: Sequence[RouteCandidate | st
     return {ids[i]: float(arr[i] / total) for i in kept if i < len(ids)}
 
 
-def _weights(probs: np.ndarray, ids: list[str], mode: RouteMode, top_p: float) -> dict[str, float]:
+def read_weights(probs: Sequence[float], ids: list[str], mode: RouteMode, top_p: float) -> dict[str, float]:
+    """Adapter weights from a decision's probabilities: `route_argmax` or `route_top_p`."""
     if mode == "argmax":
         best = route_argmax(probs, ids)
         return {} if best is None else {best: 1.0}
@@ -288,17 +289,22 @@ class RetrievalIndex:
 
 
 # --- routing -----------------------------------------------------------------------------------------
+def candidates_per_task(openings: Sequence[str], candidates: Sequence[RouteCandidate],
+                        index: RetrievalIndex | None = None, k: int | None = None) -> list[list[RouteCandidate]]:
+    """Each task's candidates: the capabilities of its k nearest indexed openings (one embedding call),
+    or every candidate when there is no index or no k."""
+    if index is None or k is None:
+        return [list(candidates) for _ in openings]
+    by_id = {c.capability_id: c for c in candidates}
+    return [[by_id[c] for c in ids] for ids in index.search(list(openings), k, among=by_id)]
+
+
 def route_tasks(policy: Any, openings: Sequence[str], candidates: Sequence[RouteCandidate],
                 mode: RouteMode = "argmax", top_p: float = 0.9, index: RetrievalIndex | None = None,
                 k: int | None = None, task_ids: Sequence[str] | None = None, batch_size: int = 8
                 ) -> list[RouteDecision]:
     """Route many tasks: retrieval (one embedding call), then label scoring batched per label count."""
-    if index is not None and k is not None:
-        by_id = {c.capability_id: c for c in candidates}
-        found = index.search(list(openings), k, among=by_id)
-        per_task = [[by_id[c] for c in ids] for ids in found]
-    else:
-        per_task = [list(candidates)] * len(openings)
+    per_task = candidates_per_task(openings, candidates, index, k)
     task_ids = list(task_ids) if task_ids is not None else [""] * len(openings)
     decisions: list[RouteDecision | None] = [None] * len(openings)
     for n in sorted({len(c) for c in per_task}):  # one label set per candidate count
@@ -310,7 +316,7 @@ def route_tasks(policy: Any, openings: Sequence[str], candidates: Sequence[Route
             ids = _ids(per_task[i])
             decisions[i] = RouteDecision(
                 task_id=task_ids[i], mode=mode, candidates=ids, labels=labels, probs=probs[j].tolist(),
-                label_mass=float(mass[j]), weights=_weights(probs[j], ids, mode, top_p),
+                label_mass=float(mass[j]), weights=read_weights(probs[j], ids, mode, top_p),
             )
     return [d for d in decisions if d is not None]
 

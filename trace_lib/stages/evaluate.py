@@ -33,12 +33,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from trace_lib.agent.model import numerics
 from trace_lib.agent.policy import load_policy
 from trace_lib.config import EnvConfig, EvaluateConfig, Params
-from trace_lib.envs import make_env
+from trace_lib.envs import load_tasks, make_env, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation import inputs
@@ -54,6 +54,7 @@ from trace_lib.evaluation.runner import (
     oracle_decisions,
     route_all,
     routing_quality,
+    task_openings,
     with_top_p,
 )
 from trace_lib.evaluation.tables import (
@@ -72,7 +73,7 @@ from trace_lib.evaluation.tables import (
     table1,
     table1_long,
 )
-from trace_lib.io import atomic_write_text, write_json, write_jsonl
+from trace_lib.io import atomic_write_text, read_jsonl, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.plots import save_figure
 from trace_lib.plots.evaluate import (
@@ -80,13 +81,17 @@ from trace_lib.plots.evaluate import (
     routing_confusion,
     success_by_method,
 )
-from trace_lib.records import Task, Trajectory
+from trace_lib.records import Capability, Label, RouterName, Task, Trajectory
 from trace_lib.routing.route import (
     RetrievalIndex,
     RouteCandidate,
     RouteDecision,
     make_candidate,
 )
+from trace_lib.routing.routers import KnnRouter, lacking_labels
+
+ROUTERS: tuple[str, ...] = get_args(RouterName)
+"""Every router is scored on the train and test splits; `evaluate.router` drives the TRACE rows."""
 from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
 
 
@@ -107,7 +112,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     rcfg = eval_rollout_config(params.rollout, cfg)
     targets = eval_targets(params.env, cfg, root)
     tasks = [t for _, ts in targets for t in ts]
-    budget = inputs.trace_budget(root, names)
+    budget = inputs.trace_budget(root, names, params.rollout.split)
     wanted = set(cfg.methods)
     runs: list[MethodRun] = []
     decisions: dict[str, list[RouteDecision]] = {}
@@ -162,6 +167,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         no_caps or (None if any(t.capability_tags for t in tasks) else "the tasks carry no capability tags"),
         lambda e, ts: oracle_decisions(ts, names), **trace)
     quality: dict[str, Any] = {}
+    routers: dict[str, dict[str, Any]] = {}
     interference: list[dict[str, Any]] = []
     envs = inputs.synthetic_manifests(root)
     with ExitStack() as stack:
@@ -169,10 +175,21 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         if "trace" in wanted and not no_caps:
             candidates, index = _router_inputs(root, params, names, boxes, cfg)
             rc = cfg.model_copy(update={"batch_size": rcfg.batch_size})
-            decisions["trace_argmax"] = [d for ecfg, ts in targets for d in route_all(
-                policy, ts, candidates, rc, lambda e=ecfg: make_env(e), index)]
+            train_tasks, train_solved, knn = _train_side(root, params, names)
+            base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
+            for router in ROUTERS:
+                if router == "knn" and knn is None:
+                    routers[router] = {"note": "no score-stage labels of the train rollouts"}
+                    continue
+                test = [d for ecfg, ts in targets for d in route_all(
+                    policy, ts, candidates, rc, lambda e=ecfg: make_env(e), index, knn, router)]
+                train = route_all(policy, train_tasks, candidates, rc, lambda: make_env(params.env), index, knn, router)
+                decisions[f"router_{router}"] = test
+                routers[router] = {"train": routing_quality(train, train_tasks, names, cfg.seed, train_solved),
+                                   "test": routing_quality(test, tasks, names, cfg.seed, base_solved)}
+            decisions["trace_argmax"] = decisions.pop(f"router_{cfg.router}")
             decisions["trace_top_p"] = with_top_p(decisions["trace_argmax"], cfg.top_p)
-            quality = routing_quality(decisions["trace_argmax"], tasks, names, cfg.seed)
+            quality = routers[cfg.router]["test"]
         for mode in ("argmax", "top_p"):
             key = f"trace_{mode}"
             off = None if cfg.route_mode in (mode, "both") else f"evaluate.route_mode is {cfg.route_mode!r}"
@@ -182,7 +199,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
                                                progress)
     metrics = _write_reports(runs, targets, decisions, quality, interference, budget, cfg, paths,
-                             extra={"analysis_rollouts": inputs.analysis_rollouts(root, params.rollout.split),
+                             extra={"routers": routers, "analysis_rollouts": budget["discovery"],
                                     "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
                                     **({"gepa": gepa_record} if gepa_record else {}),
                                     "episodes_decoded": None if memo is None else sum(map(len, memo.values())),
@@ -213,6 +230,28 @@ def _router_inputs(root: Path, params: Params, names: list[str], boxes: Mapping[
         items = [it for n, box in boxes.items() for it in inputs.retrieval_openings(box, n, seeds, difficulty)]
         index = RetrievalIndex.build(items)
     return candidates, index
+
+
+def _train_side(root: Path, params: Params, names: list[str]) -> tuple[list[Task], set[str], KnnRouter | None]:
+    """The target's train tasks the rollout stage ran, the ids of those the base agent solved in some
+    rollout, and the kNN router over them (None without score-stage labels)."""
+    paths = Paths(root)
+    split = task_split(params.env.name, params.rollout.split)
+    if not paths.rollouts(params.rollout.split).is_file():
+        return [], set(), None
+    trajs = read_jsonl(paths.rollouts(params.rollout.split), Trajectory)
+    ran = {t.task_id for t in trajs}
+    tasks = [t for t in load_tasks(params.env, split, root) if t.id in ran]
+    solved = {t.task_id for t in trajs if t.success}
+    if not paths.labels.is_file() or not tasks:
+        return tasks, solved, None
+    order = [c.id for c in inputs.kept_capabilities(root, names)]
+    if paths.kept.is_file():  # ties go to the capability the score stage ranked first
+        ranked = [c.id for c in read_jsonl(paths.kept, Capability)]
+        order = sorted(order, key=lambda c: ranked.index(c) if c in ranked else len(ranked))
+    labels = lacking_labels(read_jsonl(paths.labels, Label), {t.id: t.task_id for t in trajs}, order)
+    openings = task_openings(tasks, lambda: make_env(params.env))
+    return tasks, solved, KnnRouter([t.id for t in tasks], openings, [labels[t.id] for t in tasks])
 
 
 def _interference_envs(boxes: Mapping[str, Any], params: Params, cfg: EvaluateConfig) -> dict:
@@ -253,7 +292,12 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
     atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption + markdown(t1))
     atomic_write_text(paths.table("table1", ".csv"), table1_long(runs, groups).to_csv(index=False))
     atomic_write_text(paths.table("routing"), "# Routing vs merging\n\n" + markdown(routing_table(runs, trace_total))
-                      + "\n## Router vs oracle and random routing\n\n" + markdown(router_quality_table(quality))
+                      + "\n## Router vs oracle and random routing\n\n"
+                      + f"TRACE routes with `evaluate.router: {cfg.router}`; every router is scored on both splits "
+                      "(train: the rollout stage's tasks, a kNN task never votes for itself). Accuracy is agreement "
+                      "with the oracle (task tags) on tagged tasks; `majority` is the best constant router; "
+                      "`solved_on_none` the share of base-solved tasks left on the base model.\n\n"
+                      + markdown(router_quality_table(quality, (extra or {}).get("routers")))
                       + (f"\n{quality['note']}\n" if quality.get("note") else ""))
     adapters = extra.get("adapters", []) if extra else []
     atomic_write_text(paths.table("interference"), "# Adapter interference\n\nSuccess of each adapter (rows) on "

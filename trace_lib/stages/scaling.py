@@ -80,9 +80,9 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     evaluated = read_json(metrics_path)
     caps, baselines = inputs.find_adapters(root)
     names = sorted(caps)
-    budget = inputs.trace_budget(root, names)
+    budget = inputs.trace_budget(root, names, params.rollout.split)
     snaps = {n: find_snapshots(caps[n]) for n in names}
-    points = budget_points(snaps, budget["by_adapter"], budget["synthesize"], cfg.budgets)
+    points = budget_points(snaps, budget["by_adapter"], budget["synthesize"] + budget["discovery"], cfg.budgets)
     base = trajectories_of(root, "base")
     final = trajectories_of(root, "trace_argmax")
     routes = paths.route_decisions("trace_argmax")

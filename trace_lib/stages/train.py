@@ -119,7 +119,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 ledger=RolloutLedger(paths.train_ledger(m.capability_id)), name=m.capability_id, progress=progress,
                 env_sha256=m.sha256, ckpt_dir=paths.checkpoint(m.capability_id), timing_path=timing[m.capability_id],
                 **resume))
-        budget = trace_budget(root, [m.capability_id for m in envs])["total"] if envs else 0
+        budget = trace_budget(root, [m.capability_id for m in envs], params.rollout.split)["total"] if envs else 0
         per_iter = cfg.groups * cfg.group_size
         baselines = {"grpo_target": lambda: [_target_source(params, root)],
                      "merged_data": lambda: [_synthetic_source(boxes[m.capability_id], m.capability_id, params,
