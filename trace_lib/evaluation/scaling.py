@@ -58,9 +58,9 @@ def budget_points(snapshots: dict[str, list[Snapshot]], finals: dict[str, int], 
     """TRACE's budget points: {total, iteration, adapters: {cap: Snapshot | 'final' | None}}.
 
     Point k uses every adapter's snapshot at iteration k (the last iteration: the final adapter).
-    `extra` rollouts (discovery on the target, the synthesize stage's band checks) count in every total but 0. With `budgets`,
-    each requested total takes the largest point that fits in it (duplicates merged); without, every
-    iteration is a point. Budget 0, the base model, is always the first point.
+    `extra` rollouts (discovery on the target, the synthesize stage's band checks) count in every total
+    but 0. With `budgets`, each requested total takes the largest point that fits in it (duplicates
+    merged); without, every iteration is a point. Budget 0, the base model, is always the first point.
     """
     iterations = sorted({s.iteration for ss in snapshots.values() for s in ss})
     points = [{"total": 0, "iteration": 0, "adapters": {}}]
