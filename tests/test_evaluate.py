@@ -18,6 +18,7 @@ from trace_lib.evaluation.runner import (
     interference_matrix,
     oracle_decisions,
     route_all,
+    route_by,
     route_groups,
     routing_quality,
     with_top_p,
@@ -194,6 +195,8 @@ def test_route_all_calibrated_divides_by_the_content_free_prior(policy):
         assert c.probs == pytest.approx(calibrate(r.probs, prior))
         best = max(range(3), key=lambda i: c.probs[i])
         assert c.weights == ({} if best == 2 else {c.candidates[best]: 1.0})
+    both = route_by(policy, tasks, cands, cfg, KVEnv, ("calibrated", "logits"))  # one scoring pass for both
+    assert list(both) == ["calibrated", "logits"] and both["logits"] == raw and both["calibrated"] == cal
     with pytest.raises(ValueError, match="needs the score stage's labels"):
         route_all(policy, tasks, cands, cfg, KVEnv, router="knn")
 

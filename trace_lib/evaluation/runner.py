@@ -151,21 +151,31 @@ def route_all(policy: Any, tasks: Sequence[Task], candidates: Sequence[RouteCand
     once, `with_top_p` derives the top-p weights from the same probabilities). `knn` is the kNN router's
     labelled train tasks (needed for router 'knn')."""
     router = router or cfg.router
+    return route_by(policy, tasks, candidates, cfg, env_factory, (router,), index, knn)[router]
+
+
+def route_by(policy: Any, tasks: Sequence[Task], candidates: Sequence[RouteCandidate], cfg: EvaluateConfig,
+             env_factory: Callable[[], Environment], routers: Sequence[RouterName],
+             index: RetrievalIndex | None = None, knn: KnnRouter | None = None) -> dict[str, list[RouteDecision]]:
+    """Each of `routers`' argmax decisions for every task (see `route_all`), from one pass over the
+    openings: `calibrated` recalibrates the `logits` router's probabilities instead of scoring again."""
     if not tasks:
-        return []
+        return {r: [] for r in routers}
     openings, ids = task_openings(tasks, env_factory), [t.id for t in tasks]
     k = cfg.retrieval_k if index is not None else None
     batch = cfg.batch_size or 8
-    if router == "knn":
+    out: dict[str, list[RouteDecision]] = {}
+    if "knn" in routers:
         if knn is None:
             raise ValueError("evaluate.router 'knn' needs the score stage's labels of the train rollouts")
         per_task = [[c.capability_id for c in cs] for cs in candidates_per_task(openings, candidates, index, k)]
-        return knn_decisions(knn, openings, per_task, cfg.knn_k, "argmax", cfg.top_p, ids)
-    decisions = route_tasks(policy, openings, candidates, mode="argmax", top_p=cfg.top_p, index=index, k=k,
-                            task_ids=ids, batch_size=batch)
-    if router == "calibrated":
-        decisions = calibrated_decisions(policy, decisions, candidates, "argmax", cfg.top_p, batch)
-    return decisions
+        out["knn"] = knn_decisions(knn, openings, per_task, cfg.knn_k, "argmax", cfg.top_p, ids)
+    if {"logits", "calibrated"} & set(routers):
+        out["logits"] = route_tasks(policy, openings, candidates, mode="argmax", top_p=cfg.top_p, index=index, k=k,
+                                    task_ids=ids, batch_size=batch)
+    if "calibrated" in routers:
+        out["calibrated"] = calibrated_decisions(policy, out["logits"], candidates, "argmax", cfg.top_p, batch)
+    return {r: out[r] for r in routers}
 
 
 def with_top_p(decisions: Sequence[RouteDecision], p: float) -> list[RouteDecision]:

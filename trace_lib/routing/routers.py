@@ -72,8 +72,7 @@ def knn_probs(sims: np.ndarray, neighbour_labels: Sequence[str | None], candidat
     if sims.ndim != 2 or sims.shape[1] != len(neighbour_labels):
         raise ValueError(f"similarities {sims.shape} do not match {len(neighbour_labels)} neighbour labels")
     column = {c: i for i, c in enumerate(candidates)}
-    votes_for = np.array([column.get(lab, len(candidates)) if lab is not None else len(candidates)
-                          for lab in neighbour_labels], dtype=int)
+    votes_for = np.array([column.get(lab, len(candidates)) for lab in neighbour_labels], dtype=int)
     out = np.zeros((sims.shape[0], len(candidates) + 1))
     for i, row in enumerate(sims):
         allowed = np.ones(len(row), bool) if exclude is None else ~np.asarray(exclude[i], bool)

@@ -52,7 +52,7 @@ from trace_lib.evaluation.runner import (
     evaluate_policy,
     interference_matrix,
     oracle_decisions,
-    route_all,
+    route_by,
     routing_quality,
     task_openings,
     with_top_p,
@@ -89,10 +89,10 @@ from trace_lib.routing.route import (
     make_candidate,
 )
 from trace_lib.routing.routers import KnnRouter, lacking_labels
-
-ROUTERS: tuple[str, ...] = get_args(RouterName)
-"""Every router is scored on the train and test splits; `evaluate.router` drives the TRACE rows."""
 from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
+
+ROUTERS: tuple[RouterName, ...] = get_args(RouterName)
+"""Every router is scored on the train and test splits; `evaluate.router` drives the TRACE rows."""
 
 
 def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
@@ -177,16 +177,19 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             rc = cfg.model_copy(update={"batch_size": rcfg.batch_size})
             train_tasks, train_solved, knn = _train_side(root, params, names)
             base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
-            for router in ROUTERS:
-                if router == "knn" and knn is None:
-                    routers[router] = {"note": "no score-stage labels of the train rollouts"}
-                    continue
-                test = [d for ecfg, ts in targets for d in route_all(
-                    policy, ts, candidates, rc, lambda e=ecfg: make_env(e), index, knn, router)]
-                train = route_all(policy, train_tasks, candidates, rc, lambda: make_env(params.env), index, knn, router)
-                decisions[f"router_{router}"] = test
-                routers[router] = {"train": routing_quality(train, train_tasks, names, cfg.seed, train_solved),
-                                   "test": routing_quality(test, tasks, names, cfg.seed, base_solved)}
+            scored = [r for r in ROUTERS if r != "knn" or knn is not None]
+            if knn is None:
+                routers["knn"] = {"note": "no score-stage labels of the train rollouts"}
+            test = {r: [] for r in scored}
+            for ecfg, ts in targets:
+                for r, ds in route_by(policy, ts, candidates, rc, lambda e=ecfg: make_env(e), scored, index,
+                                      knn).items():
+                    test[r] += ds
+            train = route_by(policy, train_tasks, candidates, rc, lambda: make_env(params.env), scored, index, knn)
+            for r in scored:
+                decisions[f"router_{r}"] = test[r]
+                routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved),
+                              "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved)}
             decisions["trace_argmax"] = decisions.pop(f"router_{cfg.router}")
             decisions["trace_top_p"] = with_top_p(decisions["trace_argmax"], cfg.top_p)
             quality = routers[cfg.router]["test"]
@@ -245,10 +248,9 @@ def _train_side(root: Path, params: Params, names: list[str]) -> tuple[list[Task
     solved = {t.task_id for t in trajs if t.success}
     if not paths.labels.is_file() or not tasks:
         return tasks, solved, None
-    order = [c.id for c in inputs.kept_capabilities(root, names)]
-    if paths.kept.is_file():  # ties go to the capability the score stage ranked first
-        ranked = [c.id for c in read_jsonl(paths.kept, Capability)]
-        order = sorted(order, key=lambda c: ranked.index(c) if c in ranked else len(ranked))
+    ranked = [c.id for c in read_jsonl(paths.kept, Capability)] if paths.kept.is_file() else []
+    # ties go to the capability the score stage ranked first
+    order = sorted(names, key=lambda c: ranked.index(c) if c in ranked else len(ranked))
     labels = lacking_labels(read_jsonl(paths.labels, Label), {t.id: t.task_id for t in trajs}, order)
     openings = task_openings(tasks, lambda: make_env(params.env))
     return tasks, solved, KnnRouter([t.id for t in tasks], openings, [labels[t.id] for t in tasks])
