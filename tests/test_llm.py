@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+from local_http import LocalHTTP
 
 from trace_lib.analyst.llm import (
     LLMClient,
@@ -32,7 +32,7 @@ def _message(text: str) -> dict:
                       "cache_read_input_tokens": 0}}
 
 
-class FakeMessagesAPI:
+class FakeMessagesAPI(LocalHTTP):
     """A scripted /v1/messages endpoint: each request pops the next (status, body[, headers]) from
     `script` (the last entry repeats). A bytes body is sent as is; `headers` override the defaults
     (None drops one), so a `content-length` above the body's size sends a body cut short."""
@@ -76,18 +76,7 @@ class FakeMessagesAPI:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        super().__init__(Handler)
 
 
 def _error(status: int, kind: str) -> tuple[int, dict]:

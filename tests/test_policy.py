@@ -286,3 +286,28 @@ def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, mo
     separate = play()
     assert shared == separate
     assert saved > pol.stats.cached_prompt_tokens - before + 2 * 50  # rows 1 and 2 did not compute the result
+
+
+def test_the_engine_runs_where_the_weights_are(tiny_model_dir):
+    from trace_lib.agent.policy import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pol = load_policy(tiny_model_dir, device="cpu")
+    assert pol.device == torch.device("cpu")
+    with pytest.raises(RuntimeError):
+        resolve_device("nonsense")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the engine on a GPU against the same engine on CPU")
+def test_cuda_decodes_the_tokens_the_cpu_decodes(tiny_model_dir):
+    convs = [[Message(role="user", content=f"Say something about {w}.")] for w in ("cats", "orders", "refunds")]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        pol = load_policy(tiny_model_dir, dtype="float32", device=device)
+        assert pol.device.type == device
+        greedy = pol.generate(convs, [], max_new_tokens=12, seed=0)
+        sampled = pol.generate(convs, [], max_new_tokens=12, seed=3, temperature=0.8)
+        outs[device] = ([g.text for g in greedy], [g.text for g in sampled])
+    assert outs["cuda"] == outs["cpu"]

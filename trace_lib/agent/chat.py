@@ -42,6 +42,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -66,6 +67,20 @@ _CALL_SYNTAX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 def tool_chat_template() -> str:
     """The Jinja chat template text (also stored on prepared tokenizers)."""
     return resources.files("trace_lib").joinpath("agent/templates/tool_chat.jinja").read_text(encoding="utf-8")
+
+
+@dataclass
+class Generation:
+    """One decoded agent turn, whichever backend decoded it (agent/policy.py, agent/remote.py)."""
+
+    text: str
+    """Decoded completion without the stop token."""
+    message: Message
+    """`text` parsed by `parse_assistant` (tool calls, content, or invalid)."""
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str = "stop"
+    """'stop' (end of turn) or 'length' (max_new_tokens reached)."""
 
 
 # --- rendering --------------------------------------------------------------------------------

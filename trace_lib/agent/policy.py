@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
-from trace_lib.agent.chat import parse_assistant, render_prompt, tool_chat_template
+from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, tool_chat_template
 from trace_lib.io import read_json
 from trace_lib.agent.kvcache import CASCADE, new_cache, shared_prefix, supports_cascade
 from trace_lib.agent.threads import govern_threads, set_threads
@@ -57,18 +57,6 @@ MAX_STEM_TAIL = 8
 """Longest part of a row's prompt after its shared stem (see `shared_stems`)."""
 MAX_SESSIONS = 256
 """Episodes whose KV states are kept between turns (~23 KB per token each for SmolLM2-135M in bf16)."""
-
-
-@dataclass
-class Generation:
-    text: str
-    """Decoded completion without the stop token."""
-    message: Message
-    """`text` parsed by chat.parse_assistant (tool calls, content, or invalid)."""
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str = "stop"
-    """'stop' (end-of-turn token) or 'length' (max_new_tokens reached)."""
 
 
 @dataclass
@@ -98,10 +86,14 @@ def _row_generators(seed: int, n: int) -> list[torch.Generator]:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]) -> torch.Tensor:
-    """One token per row: greedy at temperature 0, else nucleus sampling with each row's generator."""
+    """One token per row: greedy at temperature 0, else nucleus sampling with each row's generator.
+
+    The row generators live on the CPU (so a seed draws the same tokens on any device): the
+    probabilities are brought there for the draw and the tokens go back to the logits' device."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    device = logits.device
+    logits = logits.float().cpu() / temperature
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
@@ -109,7 +101,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: 
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)])
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)]).to(device)
 
 
 class Policy:
@@ -142,6 +134,11 @@ class Policy:
                 raise ValueError(f"unknown adapter {name!r}; loaded: {self.adapters or 'none'}")
             self.model.set_adapter(name)
         self.adapter = name
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (read per call: a trainer may move the model after loading)."""
+        return next(self.model.parameters()).device
 
     @property
     def policy_id(self) -> str:
@@ -319,17 +316,17 @@ class Policy:
         outs: list[list[int]] = [[] for _ in range(n)]
         finish = ["length"] * n
         positions = mask.sum(dim=-1)  # next position id of each row
-        stop = torch.tensor(self.stop_ids)
-        generated = torch.empty(n, 0, dtype=torch.long)
+        stop = torch.tensor(self.stop_ids, device=mask.device)
+        generated = torch.empty(n, 0, dtype=torch.long, device=mask.device)
         for step in range(max_new_tokens):
             if processor is not None:
                 logits = processor(generated, logits)
             tok = sample_tokens(logits, temperature, top_p, gens)
             generated = torch.cat([generated, tok[:, None]], dim=1)
             done = torch.isin(tok, stop)
-            for j, r in enumerate(rows):
-                outs[r].append(int(tok[j]))
-                if done[j]:
+            for r, t, d in zip(rows, tok.tolist(), done.tolist()):  # one transfer per step off an accelerator
+                outs[r].append(t)
+                if d:
                     finish[r] = "stop"
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
@@ -384,7 +381,8 @@ class Policy:
             return 0, None
         ids = tuple(first[:lcp])
         cache = DynamicCache()
-        self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
         kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         if len(self._prefixes) >= 4:  # a handful of environments/adapters at a time
             self._prefixes.pop(next(iter(self._prefixes)))
@@ -410,6 +408,7 @@ class Policy:
             ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
             mask[i, start - k:start] = 1
             mask[i, start + width - len(s):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # built on the CPU, sent once
         if cascade:  # the prefix stays shared (kvcache.cascade_attention), rows hold their suffix only
             cache = new_cache(self.model, held + width + max_new_tokens, offset=prefix_len)
         else:
@@ -511,8 +510,8 @@ def _causal_4d(mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
     (transformers does not build masks for custom attention functions reliably across versions).
     """
     total = mask.shape[1]
-    q = torch.arange(prefix_len, total)[:, None]
-    causal = torch.arange(total)[None, :] <= q
+    q = torch.arange(prefix_len, total, device=mask.device)[:, None]
+    causal = torch.arange(total, device=mask.device)[None, :] <= q
     return causal[None, None] & mask.bool()[:, None, None, :]
 
 
@@ -552,11 +551,13 @@ def load_policy(
     threads: int = 0,
     attn_implementation: str = "cascade",
     prefix_cache: bool = True,
+    device: str = "auto",
 ) -> Policy:
     """Load a causal LM (+ named LoRA adapters) as a Policy; the base model is active after loading.
 
     `attn_implementation`: 'cascade' (sdpa, plus kvcache.cascade_attention for the shared prompt
-    prefix on CPU), or any transformers name ('sdpa', 'eager', ...).
+    prefix on CPU), or any transformers name ('sdpa', 'eager', ...). `device`: 'auto' (CUDA when
+    present, else the CPU), or any torch device name.
     """
     set_threads(threads)
     load, base_id = resolve_model_path(model_dir)
@@ -573,7 +574,8 @@ def load_policy(
             f"could not load model {load!r}: {err}. Pass a local HF folder (or run prepare_model); "
             "hub ids only work where the hub is reachable."
         ) from err
-    if attn_implementation == "cascade" and model.device.type == "cpu":
+    target = resolve_device(device)
+    if attn_implementation == "cascade" and target.type == "cpu":
         model.set_attn_implementation(CASCADE)
     if tokenizer.chat_template != tool_chat_template():
         tokenizer.chat_template = tool_chat_template()
@@ -586,4 +588,13 @@ def load_policy(
         model = PeftModel.from_pretrained(model, items[0][1], adapter_name=items[0][0])
         for name, path in items[1:]:
             model.load_adapter(path, adapter_name=name)
+    if target.type != "cpu":
+        model = model.to(target)
     return Policy(model, tokenizer, policy_id or base_id, prefix_cache=prefix_cache)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto': the first CUDA device when there is one, else the CPU; otherwise the named device."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)

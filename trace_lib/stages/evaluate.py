@@ -98,6 +98,7 @@ ROUTERS: tuple[RouterName, ...] = get_args(RouterName)
 def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
     """The whole stage (see the module docstring); returns the metrics written to evaluate.json."""
     cfg: EvaluateConfig = params.evaluate
+    params.policy.require_in_process("evaluate")
     t0 = time.perf_counter()
     paths = Paths(root)
     model_dir = root / params.model.out_dir
@@ -105,7 +106,8 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first")
     caps, baselines = inputs.find_adapters(root)
     names = sorted(caps)
-    policy = load_policy(model_dir, dtype=params.model.dtype, threads=params.rollout.threads,
+    policy = load_policy(model_dir, dtype=params.model.dtype, device=params.model.device,
+                         threads=params.rollout.threads,
                          adapters={n: str(p) for n, p in {**caps, **baselines}.items()} or None)
     for folder in [*caps.values(), *baselines.values()]:
         inputs.check_base_model(folder, policy.base_id)

@@ -1,7 +1,8 @@
 """Stage `rollout`: the base agent on the target environment's train split (paper §3.1, first step).
 
-Reads params.yaml (`model`, `env`, `rollout`; `evaluate.split`) and the prepared model folder
-(`model.out_dir`, taken from the working directory so sweeps share it); writes the target's tasks of
+Reads params.yaml (`model`, `policy`, `env`, `rollout`; `evaluate.split`) and the prepared model folder
+(`model.out_dir`, taken from the working directory so sweeps share it), or with `policy.backend:
+openai` sends the turns to that server instead (agent/remote.py); writes the target's tasks of
 the rollout and evaluation splits (`data/rollouts/tasks-<split>.jsonl`, written once here and read
 by every later stage), the trajectories (`data/rollouts/<split>.jsonl`, sorted by id, no timings so
 the bytes repeat) and `reports/metrics/rollout.json` (success rate with 95% CI, per family, tool
@@ -23,10 +24,8 @@ from trace_lib.paths import Paths
 
 def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
     """The whole stage: write the tasks, load the policy, roll out, write trajectories and metrics."""
-    from trace_lib.agent.policy import load_policy  # heavy import (torch), kept out of module import time
-
     model_dir = Path(params.model.out_dir)
-    if not model_dir.is_dir():
+    if params.policy.backend == "embedded" and not model_dir.is_dir():
         raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
                                 "(dvc repro prepare_model)")
     paths = Paths(root)
@@ -40,7 +39,7 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
     tasks = by_split[params.rollout.split][: params.rollout.max_tasks]
     if not tasks:
         raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")
-    policy = load_policy(model_dir, dtype=params.model.dtype)
+    policy = rollout_policy(params, model_dir)
     trajectories, timing = collect_rollouts(
         policy, lambda: make_env(params.env), tasks, params.rollout, params.seed, progress=progress
     )
@@ -53,11 +52,25 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
         "temperature": params.rollout.temperature,
         **summarize(trajectories),
         "numerics": numerics(),
+        "backend": params.policy.backend,
         "timing": {
             "seconds": round(timing.seconds, 2),
             "seconds_per_episode": round(timing.seconds / max(1, timing.episodes), 3),
             "agent_tokens_per_second": round(timing.tokens_per_second, 2),
         },
     }
+    if params.policy.backend == "openai":
+        metrics["server"] = {"base_url": params.policy.base_url, **policy.stats.as_dict()}
     write_json(paths.metrics("rollout"), metrics)
     return metrics
+
+
+def rollout_policy(params: Params, model_dir: Path) -> Any:
+    """The base agent: trace's engine on the prepared model, or the server `policy` names."""
+    if params.policy.backend == "openai":
+        from trace_lib.agent.remote import OpenAIPolicy
+
+        return OpenAIPolicy.from_config(params.policy, default_model=params.model.id)
+    from trace_lib.agent.policy import load_policy  # heavy import (torch), kept out of module import time
+
+    return load_policy(model_dir, dtype=params.model.dtype, device=params.model.device)

@@ -1,0 +1,260 @@
+"""The openai policy backend (agent/remote.py) against a local server speaking the chat-completions API,
+through the real OpenAI SDK: request shape, replies back to trace records, retries, concurrency, the
+rollout stage on a server, and the stages that refuse it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import pytest
+from local_http import LocalHTTP
+from toy import KVEnv, kv_task
+
+from trace_lib.agent.chat import normalize_tools, parse_assistant
+from trace_lib.agent.remote import OpenAIPolicy, ServerError, api_message, reply_text, row_seed
+from trace_lib.agent.rollout import collect_rollouts
+from trace_lib.config import ConfigError, RolloutConfig, params_from_dict
+from trace_lib.io import read_json, read_jsonl
+from trace_lib.records import Message, ToolCall, Trajectory
+
+def completion(content=None, calls=(), finish="stop", prompt_tokens=40, completion_tokens=9) -> dict:
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+                                 for i, (name, args) in enumerate(calls)]
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def kv_agent(body: dict) -> tuple[int, dict]:
+    """The toy KV task solved as a server would: look the key up, then say its value."""
+    messages = body["messages"]
+    last = messages[-1]
+    if last["role"] == "user":
+        key = messages[1]["content"].split("value of ")[1].rstrip("?")
+        return 200, completion(calls=[("get_value", json.dumps({"key": key}))], finish="tool_calls")
+    value = json.loads(last["content"].split("<tool_response>")[-1].split("</tool_response>")[0]
+                       if "<tool_response>" in last["content"] else last["content"])["value"]
+    return 200, completion(content=f"The value is {value}.")
+
+
+class FakeOpenAI(LocalHTTP):
+    """A /v1/chat/completions endpoint: `respond(body)` -> (status, payload); records every request and
+    the most requests in flight at once (each waits `delay` seconds)."""
+
+    def __init__(self, respond, delay: float = 0.0) -> None:
+        self.respond, self.delay = respond, delay
+        self.requests: list[tuple[str, dict]] = []
+        self.in_flight = self.max_in_flight = 0
+        lock = threading.Lock()
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server naming)
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                with lock:
+                    api.requests.append((self.path, body))
+                    api.in_flight += 1
+                    api.max_in_flight = max(api.max_in_flight, api.in_flight)
+                time.sleep(api.delay)
+                try:
+                    status, payload = api.respond(body)
+                finally:
+                    with lock:
+                        api.in_flight -= 1
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                for name, value in {"content-type": "application/json", "content-length": str(len(data)),
+                                    "retry-after-ms": "5"}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(Handler, "/v1")
+
+    def bodies(self, path: str = "/v1/chat/completions") -> list[dict]:
+        return [b for p, b in self.requests if p == path]
+
+
+def policy(url: str, **kw) -> OpenAIPolicy:
+    return OpenAIPolicy(url, "smollm2-135m", **{"max_retries": 2, "timeout_s": 10, **kw})
+
+
+def kv_tools() -> list[dict]:
+    env = KVEnv()
+    return env.tool_schemas()
+
+
+def test_api_message_sends_arguments_as_json_text_and_drops_empty_fields():
+    call = Message(role="assistant", tool_calls=[ToolCall(name="get_value", arguments={"key": "k1"}, id="c1")])
+    assert api_message(call) == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "c1", "function": {"name": "get_value", "arguments": '{"key": "k1"}'}}]}
+    no_id = api_message(Message(role="assistant", tool_calls=[ToolCall(name="get_value", arguments={})]))
+    assert no_id["tool_calls"][0]["id"] == "call_0"
+    invalid = Message(role="assistant", content="<tool_call>{", invalid="unclosed <tool_call>",
+                      tool_calls=[ToolCall(name="x")])
+    assert api_message(invalid) == {"role": "assistant", "content": "<tool_call>{"}
+    assert api_message(Message(role="tool", content="{}", name="get_value")) == {
+        "role": "tool", "content": "{}", "name": "get_value"}
+
+
+def test_reply_text_parses_back_to_the_same_record_and_keeps_bad_arguments_for_the_parser():
+    tools = kv_tools()
+    fn = type("Fn", (), {})
+    good, bad = fn(), fn()
+    good.function = type("F", (), {"name": "get_value", "arguments": '{"key": "k2"}'})()
+    bad.function = type("F", (), {"name": "get_value", "arguments": '{"key": '})()
+    text = reply_text("Let me look.", [good])
+    assert text == 'Let me look.\n<tool_call>\n{"name": "get_value", "arguments": {"key": "k2"}}\n</tool_call>'
+    msg = parse_assistant(text, tools, turn=0)
+    assert msg.invalid is None and [c.arguments for c in msg.tool_calls] == [{"key": "k2"}]
+    assert parse_assistant(reply_text(None, [bad]), tools, turn=0).invalid  # an invalid action, not a crash
+    assert reply_text("Hi.", None) == "Hi."
+
+
+def test_generate_sends_messages_tools_choice_seed_and_model_and_records_usage():
+    with FakeOpenAI(kv_agent) as api:
+        p = policy(api.url, adapters=["communicate_result"])
+        env = KVEnv()
+        env.reset(kv_task(3))
+        convs = [env.state.messages, env.state.messages]
+        out = p.generate(convs, env.tool_schemas(), temperature=0.5, top_p=0.9, max_new_tokens=32, seed=7,
+                         constrained=True, require_tool_call=[True, False])
+        p.set_adapter("communicate_result")
+        p.generate(convs[:1], env.tool_schemas(), max_new_tokens=8, seed=1)
+    first, second, third = api.bodies()
+    assert sorted([first["tool_choice"], second["tool_choice"]]) == ["auto", "required"]
+    by_seed = {b["seed"]: b for b in (first, second)}
+    assert set(by_seed) == {row_seed(7, 0), row_seed(7, 1)} and by_seed[row_seed(7, 0)]["tool_choice"] == "required"
+    assert first["model"] == "smollm2-135m" and third["model"] == "communicate_result"
+    assert (first["temperature"], first["top_p"], first["max_tokens"]) == (0.5, 0.9, 32)
+    assert first["tools"] == normalize_tools(env.tool_schemas())
+    assert [m["role"] for m in first["messages"]] == [m.role for m in env.state.messages]
+    assert [g.message.tool_calls[0].arguments for g in out] == [{"key": "k3"}] * 2
+    assert (out[0].prompt_tokens, out[0].completion_tokens) == (40, 9)
+    assert (p.stats.calls, p.stats.requests, p.stats.prompt_tokens) == (2, 3, 120)
+    assert p.policy_id == "smollm2-135m+communicate_result"
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        p.set_adapter("nope")
+
+
+def test_a_length_cut_reply_is_reported_as_such():
+    with FakeOpenAI(lambda body: (200, completion(content="The val", finish="length"))) as api:
+        out = policy(api.url).generate([[Message(role="user", content="hi")]], [], max_new_tokens=2)
+    assert (out[0].text, out[0].finish_reason, out[0].message.content) == ("The val", "length", "The val")
+    assert "tools" not in api.bodies()[0]
+
+
+def test_transient_faults_are_retried_and_a_dead_server_is_a_clear_error():
+    answers = iter([(503, {"error": {"message": "busy"}}), (200, completion(content="ok"))])
+    with FakeOpenAI(lambda body: next(answers)) as api:
+        out = policy(api.url).generate([[Message(role="user", content="hi")]], [])
+    assert out[0].text == "ok" and len(api.requests) == 2
+    with FakeOpenAI(lambda body: (500, {"error": {"message": "boom"}})) as api:
+        with pytest.raises(ServerError, match=r"127\.0\.0\.1.*'smollm2-135m' did not answer"):
+            policy(api.url, max_retries=1).generate([[Message(role="user", content="hi")]], [])
+    assert len(api.requests) == 2  # the first try and one retry
+    with FakeOpenAI(lambda body: (200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+                                        "choices": []})) as api:
+        with pytest.raises(ServerError, match="without choices"):
+            policy(api.url).generate([[Message(role="user", content="hi")]], [])
+
+
+def test_requests_of_a_call_are_in_flight_together_up_to_the_bound():
+    with FakeOpenAI(lambda body: (200, completion(content="ok")), delay=0.2) as api:
+        policy(api.url, concurrency=3).generate([[Message(role="user", content=str(i))] for i in range(6)], [])
+    assert api.max_in_flight == 3
+
+
+def test_episodes_played_through_a_server_are_ordinary_trajectories():
+    tasks = [kv_task(i) for i in (1, 2, 3)]
+    cfg = RolloutConfig(samples_per_task=1, batch_size=2, temperature=0.0, constrained=True, tool_choice="first")
+    with FakeOpenAI(kv_agent) as api:
+        trajs, timing = collect_rollouts(policy(api.url), KVEnv, tasks, cfg, seed=0, progress=False)
+    assert [t.id for t in trajs] == ["toy/read/1#0", "toy/read/2#0", "toy/read/3#0"]
+    assert all(t.success and t.tool_calls == 1 and t.policy_id == "smollm2-135m" for t in trajs)
+    assert [m.role for m in trajs[0].messages][-4:] == ["assistant", "tool", "assistant", "user"]
+    assert trajs[0].prompt_tokens == 80 and trajs[0].completion_tokens == 18
+    choices = [b["tool_choice"] for b in api.bodies()]
+    assert choices.count("required") == 3 and choices.count("auto") == 3  # a tool call forced on turn 1 only
+
+
+def test_openai_backend_needs_a_server_and_the_in_process_stages_refuse_it_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="policy.base_url is required"):
+        params_from_dict({"policy": {"backend": "openai"}}, "params.yaml")
+    params = params_from_dict({"policy": {"backend": "openai", "base_url": "http://127.0.0.1:9/v1"}})
+    from trace_lib.stages.evaluate import run_evaluate
+    from trace_lib.stages.scaling import run_scaling
+
+    for run, stage in ((run_evaluate, "evaluate"), (run_scaling, "scaling")):
+        with pytest.raises(ConfigError, match=f"serves the rollout stage only; the {stage} stage"):
+            run(params, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.filterwarnings("ignore::trace_lib.config.ProfileOverride")
+def test_the_rollout_stage_runs_on_a_server_without_a_local_model(tmp_path, monkeypatch):
+    def polite(body):
+        return 200, completion(content="Sorry, I cannot help with that.")
+
+    monkeypatch.chdir(tmp_path)
+    with FakeOpenAI(polite) as api:
+        params = params_from_dict({
+            "policy": {"backend": "openai", "base_url": api.url, "served_model": "smol"},
+            "env": {"tasks_per_family": 1}, "rollout": {"max_tasks": 2, "samples_per_task": 1}})
+        from trace_lib.stages.rollout import run_rollout
+
+        metrics = run_rollout(params, Path("."), progress=False)
+    trajs = read_jsonl(Path("data/rollouts/train.jsonl"), Trajectory)
+    assert len(trajs) == 2 and all(t.policy_id == "smol" for t in trajs)
+    saved = read_json(Path("reports/metrics/rollout.json"))
+    assert saved["backend"] == "openai" and saved["server"]["requests"] == len(api.bodies()) >= 2
+    assert metrics["policy_id"] == "smol" and not Path(params.model.out_dir).exists()
+
+
+def test_the_vllm_command_serves_trace_chat_format_and_named_adapters():
+    from trace_lib.agent.serve import chat_template_path, vllm_command
+
+    cmd = vllm_command("/venv/bin/python", "data/model", 8000, served_name="smollm2-135m",
+                       adapters={"tool_call_precision": "a/tcp", "communicate_result": "a/cr"})
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flag = {k: v for k, v in zip(cmd, cmd[1:]) if k.startswith("--")}
+    assert (flag["--model"], flag["--served-model-name"], flag["--port"]) == ("data/model", "smollm2-135m", "8000")
+    assert flag["--tool-call-parser"] == "hermes" and Path(flag["--chat-template"]) == chat_template_path()
+    assert chat_template_path().is_file() and "--enable-auto-tool-choice" in cmd and "--enable-lora" in cmd
+    assert cmd[cmd.index("--lora-modules") + 1:] == ["communicate_result=a/cr", "tool_call_precision=a/tcp"]
+    assert flag["--max-loras"] == "2"
+
+
+HEALTH_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_process_is_waited_for_and_stopped_and_a_dead_one_is_a_clear_error():
+    import sys
+
+    from trace_lib.agent.serve import ServerProcess, free_port, healthy
+
+    port = free_port()
+    with ServerProcess("fake", [sys.executable, "-c", HEALTH_SERVER, str(port)], port, timeout=30) as server:
+        assert healthy(f"{server.base}/health") and server.startup_seconds > 0
+    assert server.proc.poll() is not None and not Path(server.log.name).exists()
+    with pytest.raises(RuntimeError, match=r"fake exited with code 3: boom \(log "):
+        with ServerProcess("fake", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], free_port()):
+            pass

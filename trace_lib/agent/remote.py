@@ -1,0 +1,220 @@
+"""The agent policy served by an OpenAI-compatible server (`policy.backend: openai`: vLLM, SGLang, llama.cpp).
+
+Reads nothing from disk; sends chat-completions requests to `policy.base_url`. Implements the same
+`Generator` protocol (agent/rollout.py) as the embedded `Policy`, so the episode loop, the
+environments and the records do not know which backend decoded a turn.
+
+One agent turn of one episode is one request: the episode's messages (`chat.message_to_dict`, tool
+call arguments as JSON strings as the API wants them), the tool schemas, `tool_choice` ("required"
+where the embedded engine would force a tool call), temperature, top_p, `max_tokens` and a per-row
+seed derived as the embedded engine derives it. The server applies the chat template and parses the
+tool calls; for trace's Hermes format that is vLLM's `--chat-template trace_lib/agent/templates/
+tool_chat.jinja --tool-call-parser hermes --enable-auto-tool-choice`. Its reply is turned back into
+trace text (each parsed call rendered as a `<tool_call>` block after the content) and read by
+`chat.parse_assistant`, so a turn served remotely becomes the same `Message` record as the same text
+decoded in-process, and a malformed call is the same invalid action the environment answers.
+
+Requests of one `generate` call run concurrently on a thread pool bounded by `policy.concurrency`
+(threads, not asyncio: the stages run inside Jupyter kernels whose event loop is already running).
+Transient faults (408/409/429/5xx, timeouts, dropped connections) are retried by the OpenAI SDK with
+exponential backoff (`policy.max_retries`); a request that still fails raises `ServerError` naming
+the server, the served model and the cause. Token usage comes from the server's `usage` field.
+
+Adapters are served by name (vLLM `--enable-lora --lora-modules <capability>=<folder>`, or loaded at
+run time with `load_adapter`, vLLM's `/v1/load_lora_adapter`): `set_adapter(name)` makes later
+requests name that model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from trace_lib.agent.chat import (
+    CLOSE_TAG, OPEN_TAG, Generation, message_to_dict, normalize_tools, parse_assistant,
+)
+from trace_lib.records import Message
+
+NO_KEY = "EMPTY"
+"""The API key sent when the key variable is unset (vLLM started without `--api-key` accepts any)."""
+
+
+class ServerError(RuntimeError):
+    """A request the server did not answer after the retries, or answered with something unusable."""
+
+
+@dataclass
+class ServerStats:
+    """Running totals since the policy was created (usage as the server reported it)."""
+
+    calls: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+def api_message(msg: Message) -> dict[str, Any]:
+    """A record message in the chat-completions request form (tool-call arguments as JSON text)."""
+    out = message_to_dict(msg)
+    if msg.role == "assistant":
+        calls = out.pop("tool_calls")
+        if calls:
+            out["tool_calls"] = [
+                {"type": "function", "id": c["id"] or f"call_{i}",
+                 "function": {"name": c["function"]["name"],
+                              "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+                for i, c in enumerate(calls)]
+    elif msg.role == "tool":
+        out = {k: v for k, v in out.items() if v is not None}
+    return out
+
+
+def reply_text(content: str | None, tool_calls: list[Any] | None) -> str:
+    """The served reply as trace text: the content, then one `<tool_call>` block per parsed call.
+
+    Arguments that are not JSON are kept as the server sent them, so the parser rejects the call
+    with its reason instead of this function guessing."""
+    parts = [content] if content else []
+    for call in tool_calls or []:
+        fn = call.function
+        try:
+            args = json.dumps(json.loads(fn.arguments or "{}"), ensure_ascii=False)
+        except (TypeError, ValueError):
+            args = str(fn.arguments)
+        parts.append(f'{OPEN_TAG}\n{{"name": {json.dumps(fn.name, ensure_ascii=False)}, "arguments": {args}}}\n'
+                     f"{CLOSE_TAG}")
+    return "\n".join(parts)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of a batch row (as `policy._row_generators` derives it), within the API's int64."""
+    return (seed * 1_000_003 + row) % (2**63)
+
+
+class OpenAIPolicy:
+    """A policy whose turns an OpenAI-compatible server decodes; adapters are served models named after them."""
+
+    def __init__(self, base_url: str, served_model: str, *, api_key: str = NO_KEY, adapters: list[str] | None = None,
+                 concurrency: int = 16, timeout_s: float = 300.0, max_retries: int = 4,
+                 policy_id: str | None = None, client: Any = None) -> None:
+        from openai import OpenAI  # imported when a server is used
+
+        self.base_url, self.served_model = base_url, served_model
+        self.client = client or OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=max_retries)
+        self.base_id = policy_id or served_model
+        self._adapters = sorted(adapters or [])
+        self.adapter: str | None = None
+        self.concurrency = concurrency
+        self.stats = ServerStats()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: Any, default_model: str, adapters: list[str] | None = None) -> OpenAIPolicy:
+        """From a `PolicyConfig` (`policy` section of params.yaml); `default_model` names the base model
+        when `policy.served_model` is unset."""
+        if not cfg.base_url:
+            raise ValueError("policy.base_url is required with policy.backend: openai")
+        return cls(cfg.base_url, cfg.served_model or default_model, api_key=os.environ.get(cfg.api_key_env) or NO_KEY,
+                   adapters=adapters, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                   max_retries=cfg.max_retries)
+
+    # --- adapters -----------------------------------------------------------------------------
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    def set_adapter(self, name: str | None) -> None:
+        """Send later requests to the served adapter `name`; None: the base model."""
+        if name is not None and name not in self._adapters:
+            raise ValueError(f"unknown adapter {name!r}; served: {self._adapters or 'none'}")
+        self.adapter = name
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter folder into the server under `name` (vLLM's `/v1/load_lora_adapter`;
+        the server must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`)."""
+        try:
+            self.client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": path}, cast_to=object)
+        except Exception as err:  # the SDK's errors, after its retries
+            raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err}") from err
+        if name not in self._adapters:
+            self._adapters = sorted([*self._adapters, name])
+
+    @property
+    def policy_id(self) -> str:
+        return self.base_id if self.adapter is None else f"{self.base_id}+{self.adapter}"
+
+    # --- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        conversations: list[list[Message]],
+        tools: list[dict[str, Any]],
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        seed: int = 0,
+        constrained: bool = False,
+        require_tool_call: bool | list[bool] = False,
+    ) -> list[Generation]:
+        """One agent turn for each conversation, the requests in flight together (at most `concurrency`).
+
+        `constrained` with `require_tool_call` sends `tool_choice="required"` on those rows (the
+        server constrains the reply to a tool call); otherwise `"auto"`."""
+        if not conversations:
+            return []
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        flags = require_tool_call if isinstance(require_tool_call, list) else [require_tool_call] * len(conversations)
+        if len(flags) != len(conversations):
+            raise ValueError(f"require_tool_call has {len(flags)} flags for {len(conversations)} conversations")
+        api_tools = normalize_tools(tools) or None
+        model = self.adapter or self.served_model
+
+        def one(row: int) -> Generation:
+            request: dict[str, Any] = {
+                "model": model, "messages": [api_message(m) for m in conversations[row]],
+                "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens,
+                "seed": row_seed(seed, row),
+            }
+            if api_tools:
+                request["tools"] = api_tools
+                request["tool_choice"] = "required" if constrained and flags[row] else "auto"
+            return self._turn(request, conversations[row], tools)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
+            out = list(pool.map(one, range(len(conversations))))
+        with self._lock:
+            self.stats.calls += 1
+            self.stats.seconds += time.perf_counter() - t0
+        return out
+
+    def _turn(self, request: dict[str, Any], conversation: list[Message], tools: list[dict[str, Any]]
+              ) -> Generation:
+        try:
+            response = self.client.chat.completions.create(**request)
+        except Exception as err:  # the SDK's errors, after its retries
+            raise ServerError(f"{self.base_url}: model {request['model']!r} did not answer: {err}") from err
+        if not getattr(response, "choices", None):
+            raise ServerError(f"{self.base_url}: model {request['model']!r} answered without choices")
+        choice = response.choices[0]
+        text = reply_text(choice.message.content, choice.message.tool_calls)
+        usage = getattr(response, "usage", None)
+        prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
+        completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
+        with self._lock:
+            self.stats.requests += 1
+            self.stats.prompt_tokens += prompt_tokens
+            self.stats.completion_tokens += completion_tokens
+        turn = sum(1 for m in conversation if m.role == "assistant")
+        return Generation(text, parse_assistant(text, tools, turn=turn), prompt_tokens, completion_tokens,
+                                "length" if choice.finish_reason == "length" else "stop")
