@@ -60,7 +60,7 @@ def main() -> None:
                 for c in args.partial_credits.split(",")]
         for lr, fraction, credit in arms:
             # adapter names may not contain "."
-            name = f"hint{round(100 * fraction)}-pc{round(100 * credit)}" + (f"-lr{lr:.0e}" if args.lrs else "")
+            name = f"hint{round(100 * fraction)}-pc{round(100 * credit)}" + (f"-lr{lr:.2e}".replace(".", "p") if args.lrs else "")
             cfg = params.train.model_copy(update={"hint_fraction": fraction, "iterations": args.iterations,
                                                   "learning_rate": lr, "snapshots": args.eval_every > 0,
                                                   "save_every": args.eval_every or params.train.save_every,

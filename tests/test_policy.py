@@ -300,7 +300,8 @@ def test_the_engine_runs_where_the_weights_are(tiny_model_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the engine on a GPU against the same engine on CPU")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: the engine on a GPU against the same engine on CPU")
 def test_cuda_decodes_the_tokens_the_cpu_decodes(tiny_model_dir):
     convs = [[Message(role="user", content=f"Say something about {w}.")] for w in ("cats", "orders", "refunds")]
     outs = {}

@@ -21,6 +21,7 @@ from trace_lib.config import ConfigError, RolloutConfig, params_from_dict
 from trace_lib.io import read_json, read_jsonl
 from trace_lib.records import Message, ToolCall, Trajectory
 
+
 def completion(content=None, calls=(), finish="stop", prompt_tokens=40, completion_tokens=9) -> dict:
     message: dict = {"role": "assistant", "content": content}
     if calls:
@@ -103,8 +104,8 @@ def test_api_message_sends_arguments_as_json_text_and_drops_empty_fields():
     invalid = Message(role="assistant", content="<tool_call>{", invalid="unclosed <tool_call>",
                       tool_calls=[ToolCall(name="x")])
     assert api_message(invalid) == {"role": "assistant", "content": "<tool_call>{"}
-    assert api_message(Message(role="tool", content="{}", name="get_value")) == {
-        "role": "tool", "content": "{}", "name": "get_value"}
+    assert api_message(Message(role="tool", content="{}", name="get_value", tool_call_id="c1")) == {
+        "role": "tool", "content": "{}", "name": "get_value", "tool_call_id": "c1"}
 
 
 def test_reply_text_parses_back_to_the_same_record_and_keeps_bad_arguments_for_the_parser():
@@ -119,6 +120,12 @@ def test_reply_text_parses_back_to_the_same_record_and_keeps_bad_arguments_for_t
     assert msg.invalid is None and [c.arguments for c in msg.tool_calls] == [{"key": "k2"}]
     assert parse_assistant(reply_text(None, [bad]), tools, turn=0).invalid  # an invalid action, not a crash
     assert reply_text("Hi.", None) == "Hi."
+    as_object = fn()
+    as_object.function = type("F", (), {"name": "get_value", "arguments": {"key": "k2"}})()
+    assert reply_text("Let me look.\n", [as_object]) == text  # arguments as an object; the parser's newline dropped
+    nameless = fn()
+    nameless.function = None
+    assert "unclosed" in parse_assistant(reply_text(None, [nameless]), tools, turn=0).invalid
 
 
 def test_generate_sends_messages_tools_choice_seed_and_model_and_records_usage():
@@ -152,6 +159,36 @@ def test_a_length_cut_reply_is_reported_as_such():
         out = policy(api.url).generate([[Message(role="user", content="hi")]], [], max_new_tokens=2)
     assert (out[0].text, out[0].finish_reason, out[0].message.content) == ("The val", "length", "The val")
     assert "tools" not in api.bodies()[0]
+    # a tool parser that closes a call cut at max_tokens says "tool_calls"; the token count says "length"
+    closed = completion(calls=[("get_value", '{"key": "k1"}')], finish="tool_calls", completion_tokens=16)
+    with FakeOpenAI(lambda body: (200, closed)) as api:
+        out = policy(api.url).generate([[Message(role="user", content="hi")]], kv_tools(), max_new_tokens=16)
+    assert out[0].finish_reason == "length" and out[0].message.tool_calls
+
+
+@pytest.mark.parametrize("reply", [
+    {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []},
+    {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [{"index": 0}]},
+    {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": "oops"},
+    {**completion(content="ok"), "usage": {"prompt_tokens": "x", "completion_tokens": 1, "total_tokens": 1}},
+])
+def test_an_unusable_reply_is_a_clear_error(reply):
+    with FakeOpenAI(lambda body: (200, reply)) as api:
+        with pytest.raises(ServerError, match="'smollm2-135m' sent an unusable reply"):
+            policy(api.url).generate([[Message(role="user", content="hi")]], [])
+
+
+def test_a_turn_the_server_refuses_is_an_invalid_action_not_a_crash():
+    refusal = {"error": {"message": "This model's maximum context length is 8192 tokens", "type": "BadRequestError",
+                         "code": 400}}
+    with FakeOpenAI(lambda body: (400, refusal)) as api:
+        p = policy(api.url)
+        trajs, _ = collect_rollouts(p, KVEnv, [kv_task(1)], RolloutConfig(samples_per_task=1, batch_size=1,
+                                                                             temperature=0.0), seed=0, progress=False)
+    assert len(api.requests) == 3  # a 400 is not retried; the episode goes on until its error limit
+    first = trajs[0].messages[2]
+    assert first.invalid.startswith("the server rejected the turn (400)") and "maximum context length" in first.invalid
+    assert trajs[0].termination == "max_errors" and p.stats.rejected == 3
 
 
 def test_transient_faults_are_retried_and_a_dead_server_is_a_clear_error():
@@ -163,14 +200,10 @@ def test_transient_faults_are_retried_and_a_dead_server_is_a_clear_error():
         with pytest.raises(ServerError, match=r"127\.0\.0\.1.*'smollm2-135m' did not answer"):
             policy(api.url, max_retries=1).generate([[Message(role="user", content="hi")]], [])
     assert len(api.requests) == 2  # the first try and one retry
-    with FakeOpenAI(lambda body: (200, {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-                                        "choices": []})) as api:
-        with pytest.raises(ServerError, match="without choices"):
-            policy(api.url).generate([[Message(role="user", content="hi")]], [])
 
 
 def test_requests_of_a_call_are_in_flight_together_up_to_the_bound():
-    with FakeOpenAI(lambda body: (200, completion(content="ok")), delay=0.2) as api:
+    with FakeOpenAI(lambda body: (200, completion(content="ok")), delay=0.5) as api:
         policy(api.url, concurrency=3).generate([[Message(role="user", content=str(i))] for i in range(6)], [])
     assert api.max_in_flight == 3
 
@@ -186,6 +219,32 @@ def test_episodes_played_through_a_server_are_ordinary_trajectories():
     assert trajs[0].prompt_tokens == 80 and trajs[0].completion_tokens == 18
     choices = [b["tool_choice"] for b in api.bodies()]
     assert choices.count("required") == 3 and choices.count("auto") == 3  # a tool call forced on turn 1 only
+
+
+def test_adapters_load_at_run_time_and_the_config_names_server_model_and_key(monkeypatch):
+    def answer(body):
+        if "lora_name" in body:
+            status = 400 if body["lora_name"] == "old" else 200
+            return status, {"error": {"message": f"The lora adapter '{body['lora_name']}' has already been loaded."}}
+        return 200, completion(content="ok")
+
+    with FakeOpenAI(answer) as api:
+        p = policy(api.url, adapters=["old"])
+        p.load_adapter("new", "/adapters/new")
+        p.load_adapter("old", "/adapters/old")  # already served: fine
+        p.set_adapter("new")
+        p.generate([[Message(role="user", content="hi")]], [])
+    assert [b for path, b in api.requests if path == "/v1/load_lora_adapter"] == [
+        {"lora_name": "new", "lora_path": "/adapters/new"}, {"lora_name": "old", "lora_path": "/adapters/old"}]
+    assert p.adapters == ["new", "old"] and api.bodies()[0]["model"] == "new"
+    monkeypatch.setenv("MY_KEY", "sk-test")
+    cfg = params_from_dict({"policy": {"backend": "openai", "base_url": api.url, "api_key_env": "MY_KEY",
+                                       "concurrency": 3}}).policy
+    q = OpenAIPolicy.from_config(cfg, default_model="smollm2-135m")
+    assert (q.served_model, q.client.api_key, q.concurrency, q.policy_id) == ("smollm2-135m", "sk-test", 3,
+                                                                              "smollm2-135m")
+    monkeypatch.delenv("MY_KEY")
+    assert OpenAIPolicy.from_config(cfg, default_model="x").client.api_key == "EMPTY"
 
 
 def test_openai_backend_needs_a_server_and_the_in_process_stages_refuse_it_before_any_work(tmp_path):

@@ -203,7 +203,7 @@ def _omp_wait_policy() -> str:
     return f"spin {os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ else "default"
 
 
-def numerics() -> dict[str, Any]:
+def numerics(device: Any = None) -> dict[str, Any]:
     """Which arithmetic produced a stage's numbers, for its metrics (not for cached artifacts).
 
     Same seed and params give the same bytes on one machine whatever its load and for 1 or 2 torch
@@ -217,4 +217,4 @@ def numerics() -> dict[str, Any]:
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
             **_thread_record(), "omp_wait_policy": _omp_wait_policy(),
-            "cuda": torch.cuda.is_available()}
+            "cuda": torch.cuda.is_available(), **({"device": str(device)} if device is not None else {})}

