@@ -382,6 +382,7 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
         Label(trajectory_id="order_total-train-000#0", capability_id="structured_data_reasoning", label="LACKING"),
         Label(trajectory_id="refuse_cancel-train-000#0", capability_id="communicate_result", label="LACKING")])
     metrics = run_evaluate(params, tmp_path, progress=False)
+    assert metrics["numerics"]["device"] == "cpu" and metrics["numerics"]["torch"]
     routers = metrics["routers"]
     assert set(routers) == {"logits", "calibrated", "knn"}
     assert routers["knn"]["train"]["solved_tasks"] == 1 and routers["knn"]["train"]["scored"] == 2

@@ -14,8 +14,8 @@ import pytest
 from local_http import LocalHTTP
 from toy import KVEnv, kv_task
 
-from trace_lib.agent.chat import normalize_tools, parse_assistant
-from trace_lib.agent.remote import OpenAIPolicy, ServerError, api_message, reply_text, row_seed
+from trace_lib.agent.chat import normalize_tools, parse_assistant, row_seed
+from trace_lib.agent.remote import OpenAIPolicy, ServerError, api_message, reply_text
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import ConfigError, RolloutConfig, params_from_dict
 from trace_lib.io import read_json, read_jsonl

@@ -83,6 +83,12 @@ class Generation:
     """'stop' (end of turn) or 'length' (max_new_tokens reached)."""
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a call seeded `seed`, whichever backend draws it (a torch
+    generator per row in agent/policy.py, the request's `seed` in agent/remote.py); within int64."""
+    return (seed * 1_000_003 + row) % (2**63)
+
+
 # --- rendering --------------------------------------------------------------------------------
 def message_to_dict(msg: Message) -> dict[str, Any]:
     """A record message in the dict form chat templates (and TRL) consume."""

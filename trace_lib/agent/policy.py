@@ -42,7 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
-from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, tool_chat_template
+from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
 from trace_lib.agent.kvcache import CASCADE, new_cache, shared_prefix, supports_cascade
 from trace_lib.agent.threads import govern_threads, set_threads
@@ -82,7 +82,7 @@ class GenerationStats:
 
 
 def _row_generators(seed: int, n: int) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed((seed * 1_000_003 + i) % (2**63)) for i in range(n)]
+    return [torch.Generator().manual_seed(row_seed(seed, i)) for i in range(n)]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]) -> torch.Tensor:

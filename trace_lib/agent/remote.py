@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trace_lib.agent.chat import (
-    CLOSE_TAG, OPEN_TAG, Generation, message_to_dict, normalize_tools, parse_assistant,
+    CLOSE_TAG, OPEN_TAG, Generation, message_to_dict, normalize_tools, parse_assistant, row_seed,
 )
 from trace_lib.records import Message
 
@@ -111,11 +111,6 @@ def reply_text(content: Any, tool_calls: Any) -> str:
         parts.append(f'{OPEN_TAG}\n{{"name": {json.dumps(fn.name, ensure_ascii=False)}, '
                      f'"arguments": {_arguments_text(fn.arguments)}}}\n{CLOSE_TAG}')
     return "\n".join(parts)
-
-
-def row_seed(seed: int, row: int) -> int:
-    """The sampling seed of a batch row (as `policy._row_generators` derives it), within the API's int64."""
-    return (seed * 1_000_003 + row) % (2**63)
 
 
 class OpenAIPolicy:

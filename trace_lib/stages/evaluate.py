@@ -205,8 +205,8 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
                                                progress)
     metrics = _write_reports(runs, targets, decisions, quality, interference, budget, cfg, paths,
                              extra={"routers": routers, "analysis_rollouts": budget["discovery"],
-                                    "policy_id": policy.policy_id, "device": str(policy.device), "adapters": names,
-                                    "baselines": sorted(baselines),
+                                    "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
+                                    "numerics": numerics(policy.device),
                                     **({"gepa": gepa_record} if gepa_record else {}),
                                     "episodes_decoded": None if memo is None else sum(map(len, memo.values())),
                                     "seconds": round(time.perf_counter() - t0, 1)})
@@ -321,7 +321,7 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
                             "rollouts": r.budget, "budget_source": r.budget_source,
                             **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base")} if r.ran else {})}
                     for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route"))},
-        "routing": quality, "interference": interference, "numerics": numerics(), **(extra or {}),
+        "routing": quality, "interference": interference, **(extra or {}),
     }
     write_json(paths.metrics("evaluate"), metrics)
     return metrics
