@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from trace_lib.agent.policy import load_policy
 from trace_lib.records import Message, RouteDecision
+from trace_lib.agent.adapters import adapter_digest, cat_adapter, write_cat_adapter
 from trace_lib.routing.compose import (
     apply_route,
     is_merged,
@@ -203,3 +204,55 @@ def test_policy_generation_under_routes(policy):
     with apply_route(policy, {}):
         assert policy.adapter is None
     assert policy.adapter is None and gen() == base
+
+
+def peft_cat_tensors(model_dir, adapter_dirs, weights: dict[str, float]) -> dict[str, torch.Tensor]:
+    """PEFT's own `add_weighted_adapter(combination_type="cat")` of the saved adapters, as saved."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    names = sorted(weights)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter_dirs[names[0]],
+                                      adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    model.add_weighted_adapter(names, [weights[n] for n in names], "cat", combination_type="cat")
+    return get_peft_model_state_dict(model, adapter_name="cat")
+
+
+def test_cat_adapter_is_peft_cat_to_the_bit_and_serves_the_merge(policy, ids, tiny_model_dir, adapter_dirs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    weights = {"a": 0.7, "b": -0.45}
+    config, tensors = cat_adapter(adapter_dirs, weights)
+    ref = peft_cat_tensors(tiny_model_dir, adapter_dirs, weights)
+    assert sorted(tensors) == sorted(ref) and all(torch.equal(tensors[k], ref[k]) for k in ref)
+    assert config["r"] == config["lora_alpha"] == 6 and config["target_modules"] == sorted(ALL)
+    # loaded as an ordinary adapter, it is the exact merge base + Σ α·B·A
+    folder = write_cat_adapter(adapter_dirs, weights, tmp_path)
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), folder).eval()
+    with merged_adapters(policy.model, weights):
+        merged = logits(policy.model, ids)
+    torch.testing.assert_close(logits(served, ids), merged, atol=1e-5, rtol=1e-5)
+    # named by the weights and the adapters' bytes, written once
+    assert folder.name == adapter_digest(adapter_dirs, weights) and folder.name.startswith("route-")
+    stamp = (folder / "adapter_model.safetensors").stat().st_mtime_ns
+    assert write_cat_adapter(adapter_dirs, weights, tmp_path) == folder
+    assert (folder / "adapter_model.safetensors").stat().st_mtime_ns == stamp
+    assert adapter_digest(adapter_dirs, {"a": 0.7, "b": -0.4}) != folder.name
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temporary folder left behind
+
+
+def test_cat_adapter_refuses_what_does_not_concatenate(adapter_dirs, tmp_path):
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_model.safetensors").write_bytes((adapter_dirs["b"] / "adapter_model.safetensors").read_bytes())
+    cfg = json.loads((adapter_dirs["b"] / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(NotImplementedError, match="uses DoRA"):
+        cat_adapter({"a": adapter_dirs["a"], "d": dora}, {"a": 0.5, "d": 0.5})
+    with pytest.raises(ValueError, match=r"no adapter folder for \['z'\]"):
+        cat_adapter(adapter_dirs, {"a": 0.5, "z": 0.5})
+    with pytest.raises(FileNotFoundError, match="not a saved PEFT adapter"):
+        cat_adapter({"a": tmp_path}, {"a": 1.0})

@@ -58,7 +58,7 @@ def test_profile_overrides_lists_only_values_that_differ():
         ({"rollout": {"batch_size": "eight"}}, "rollout.batch_size"),
         ({"rollout": {"batch_size": 0}}, "rollout.batch_size"),
         ({"env": {"max_steps": -1}}, "env.max_steps"),
-        ({"profile": "gpu"}, "profile"),
+        ({"profile": "tpu"}, "profile"),
     ],
 )
 def test_bad_keys_and_types_name_the_key(data, key):
@@ -109,3 +109,8 @@ def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
     assert cpu.evaluate.methods == ["base", "oracle_route", "trace"] and cpu.evaluate.route_mode == "argmax"
     paper = params_from_dict({"profile": "paper"})
     assert "grpo_target" in paper.evaluate.methods and paper.evaluate.route_mode == "both"
+    gpu = params_from_dict({"profile": "gpu"})
+    assert (gpu.model.id, gpu.model.device) == ("smollm2-135m", "auto")
+    assert gpu.train.baselines == ["grpo_target", "merged_data"]
+    assert gpu.train.iterations * gpu.train.groups * gpu.train.group_size == 640 and gpu.env.tasks_per_family * 7 == 56
+    assert "grpo_target" in gpu.evaluate.methods and gpu.train.save_every == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,15 +352,13 @@ def test_evaluate_config_rejects_repeated_greedy_samples():
 
 
 # --- the stage ---------------------------------------------------------------------------------------
-def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
-    """The whole stage on 2 retail test tasks with two (random) capability adapters and no synthetic envs."""
+def evaluate_tree(root, tiny_model_dir, lora_dirs, **sections) -> Params:
+    """Two (random) capability adapters, the train rollouts and labels the kNN router learns from, and
+    the params of a small evaluate run on 2 retail test tasks (`sections` override)."""
     import shutil
 
-    from trace_lib.stages.evaluate import run_evaluate
-
-    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     for cap, src in (("precondition_verification", "a"), ("structured_data_reasoning", "b")):
-        folder = tmp_path / "data" / "adapters" / cap
+        folder = root / "data" / "adapters" / cap
         shutil.copytree(lora_dirs[src], folder)
         write_json(folder / "manifest.json", AdapterManifest(
             capability_id=cap, path=str(folder), base_model=tiny_model_dir.name, env_sha256="", backend="trl",
@@ -368,11 +367,11 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
         "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
         "env": {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2},
         "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
-        "evaluate": {"interference_seeds": 0, "n_boot": 100, "router": "knn", "knn_k": 1},
+        "evaluate": {"interference_seeds": 0, "n_boot": 100, "router": "knn", "knn_k": 1}, **sections,
     })
     # the rollout and score stages' outputs the kNN router learns from: order_total lacked
     # structured_data_reasoning, refuse_cancel lacked nothing an adapter trains (and was solved)
-    paths = Paths(tmp_path)
+    paths = Paths(root)
     write_jsonl(paths.rollouts("train"), [
         Trajectory(id=f"{f}-train-000#0", task_id=f"{f}-train-000", env="retail", family=f, split="train",
                    policy_id="p", seed=0, messages=[], reward=float(ok), success=ok, termination="agent_stop",
@@ -381,6 +380,15 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     write_jsonl(paths.labels, [
         Label(trajectory_id="order_total-train-000#0", capability_id="structured_data_reasoning", label="LACKING"),
         Label(trajectory_id="refuse_cancel-train-000#0", capability_id="communicate_result", label="LACKING")])
+    return params
+
+
+def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
+    """The whole stage on 2 retail test tasks with two (random) capability adapters and no synthetic envs."""
+    from trace_lib.stages.evaluate import run_evaluate
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    params = evaluate_tree(tmp_path, tiny_model_dir, lora_dirs)
     metrics = run_evaluate(params, tmp_path, progress=False)
     assert metrics["numerics"]["device"] == "cpu" and metrics["numerics"]["torch"]
     routers = metrics["routers"]
@@ -425,3 +433,35 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     for name in ("evaluate_success.png", "evaluate_routing_confusion.png", "evaluate_interference.png"):
         assert (tmp_path / "reports" / "figures" / name).is_file()
     assert json.loads((tmp_path / "reports" / "metrics" / "evaluate.json").read_text())["tasks"] == 2
+
+
+def test_run_evaluate_on_a_server_without_a_local_model(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
+    """policy.backend openai: adapters loaded into the server by name, routes scored from its top
+    log-probabilities, merges served as concatenated adapters; the same records and tables."""
+    from test_remote import FakeOpenAI, serving
+
+    from trace_lib.stages.evaluate import run_evaluate
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    with FakeOpenAI(serving) as api:
+        params = evaluate_tree(tmp_path, tiny_model_dir, lora_dirs, policy={
+            "backend": "openai", "base_url": api.url, "served_model": tiny_model_dir.name,
+            "route_dir": str(tmp_path / "routes")})
+        params = params.model_copy(update={"model": params.model.model_copy(update={"out_dir": "no/such/model"})})
+        metrics = run_evaluate(params, tmp_path, progress=False)
+    assert metrics["numerics"]["device"] == "server" and metrics["policy_id"] == tiny_model_dir.name
+    ran = {k for k, v in metrics["methods"].items() if v["status"] == "run"}
+    assert ran == {"base", "linear_merge", "single_best", "single_precondition_verification",
+                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p"}
+    loads = {b["lora_name"]: b["lora_path"] for path, b in api.requests if path == "/v1/load_lora_adapter"}
+    caps = {"precondition_verification", "structured_data_reasoning"}
+    assert caps < set(loads) and all(Path(loads[c]) == (tmp_path / "data" / "adapters" / c).resolve() for c in caps)
+    merges = set(loads) - caps  # the linear merge (1/2 each) at least, each from a folder under route_dir
+    assert merges and all(n.startswith("route-") and Path(loads[n]).parent == tmp_path / "routes" for n in merges)
+    assert {b["model"] for b in api.bodies()} == {tiny_model_dir.name, *caps, *merges}
+    logits = [json.loads(x) for x in (tmp_path / "data/evaluate/routes/router_logits.jsonl").read_text().splitlines()]
+    # the server puts ' B' first and ' A' second; ' C' (none, with two candidates) is not among its alternatives
+    assert all(d["probs"][1] > d["probs"][0] > d["probs"][2] > 0 for d in logits) and len(logits) == 2
+    merged = [json.loads(x) for x in (tmp_path / "data/evaluate/trajectories/linear_merge.jsonl").open()]
+    assert {t["adapter"] for t in merged} == {merge_label({c: 0.5 for c in caps})}
+    assert (tmp_path / "reports" / "tables" / "table1.md").is_file() and not Path("no/such/model").exists()

@@ -5,17 +5,19 @@ rollout stage on a server, and the stages that refuse it."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
+import numpy as np
 import pytest
 from local_http import LocalHTTP
 from toy import KVEnv, kv_task
 
 from trace_lib.agent.chat import normalize_tools, parse_assistant, row_seed
-from trace_lib.agent.remote import OpenAIPolicy, ServerError, api_message, reply_text
+from trace_lib.agent.remote import OpenAIPolicy, ServerError, api_message, reply_text, route_probabilities
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import ConfigError, RolloutConfig, params_from_dict
 from trace_lib.io import read_json, read_jsonl
@@ -247,17 +249,109 @@ def test_adapters_load_at_run_time_and_the_config_names_server_model_and_key(mon
     assert OpenAIPolicy.from_config(cfg, default_model="x").client.api_key == "EMPTY"
 
 
-def test_openai_backend_needs_a_server_and_the_in_process_stages_refuse_it_before_any_work(tmp_path):
+def test_openai_backend_needs_a_server():
     with pytest.raises(ConfigError, match="policy.base_url is required"):
         params_from_dict({"policy": {"backend": "openai"}}, "params.yaml")
-    params = params_from_dict({"policy": {"backend": "openai", "base_url": "http://127.0.0.1:9/v1"}})
-    from trace_lib.stages.evaluate import run_evaluate
-    from trace_lib.stages.scaling import run_scaling
 
-    for run, stage in ((run_evaluate, "evaluate"), (run_scaling, "scaling")):
-        with pytest.raises(ConfigError, match=f"serves the rollout stage only; the {stage} stage"):
-            run(params, tmp_path)
-    assert not any(tmp_path.iterdir())
+
+def top_logprobs(top: dict[str, float]) -> dict:
+    """A one-token reply carrying the server's top alternatives, as the chat-completions API sends them."""
+    alts = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top.items()]
+    first = max(alts, key=lambda a: a["logprob"])
+    reply = completion(content=first["token"], finish="length", prompt_tokens=30, completion_tokens=1)
+    reply["choices"][0]["logprobs"] = {"content": [{**first, "top_logprobs": alts}]}
+    return reply
+
+
+def serving(body: dict) -> tuple[int, dict]:
+    """A server that loads any adapter, scores routes (' B' first, ' A' second, no ' C') and answers politely."""
+    if "lora_name" in body:
+        return 200, {"status": "loaded"}
+    if body.get("top_logprobs"):
+        return 200, top_logprobs({" B": -0.4, " A": -1.2, "Hello": -2.0})
+    return 200, completion(content="Sorry, I cannot help with that.")
+
+
+def test_route_labels_are_scored_from_the_servers_top_logprobs_by_the_base_model():
+    from trace_lib.routing.route import RouteCandidate, label_probabilities, route_labels, route_tasks
+
+    question = [Message(role="user", content="Which adapter?")]
+    with FakeOpenAI(serving) as api:
+        p = policy(api.url, adapters=["x"])
+        p.set_adapter("x")  # the base model routes whatever adapter is active
+        probs, mass = p.label_scores([question, question], [" A", " B", " C"], "Answer:")
+        cands = [RouteCandidate(capability_id=c, description=c) for c in ("alpha", "beta")]
+        decisions = route_tasks(p, ["I want a refund.", "Where is my order?"], cands, task_ids=["t1", "t2"])
+        with pytest.raises(TypeError, match="as messages"):
+            label_probabilities(p, None, ["<|im_start|>user ... Answer:"], route_labels(1))
+    a, b, c = math.exp(-1.2), math.exp(-0.4), math.exp(-2.0)  # ' C' unseen: bounded by the least alternative
+    assert probs.shape == (2, 3) and np.allclose(probs[0], np.array([a, b, c]) / (a + b + c))
+    assert np.allclose(mass, a + b)
+    body = api.bodies()[0]
+    assert body["model"] == "smollm2-135m" and body["messages"][-1] == {"role": "assistant", "content": "Answer:"}
+    assert body["messages"][:-1] == [api_message(question[0])]
+    assert (body["continue_final_message"], body["add_generation_prompt"]) == (True, False)
+    assert (body["max_tokens"], body["logprobs"], body["top_logprobs"], body["temperature"]) == (1, True, 20, 0.0)
+    assert [(d.task_id, d.weights) for d in decisions] == [("t1", {"beta": 1.0}), ("t2", {"beta": 1.0})]
+    assert np.isclose(decisions[0].label_mass, a + b) and p.stats.requests == 4
+
+
+def test_route_probabilities_bound_an_unseen_label_by_the_least_alternative_and_no_label_goes_to_none():
+    probs, mass = route_probabilities({" A": -0.5, " C": -2.3, "x": -3.0}, [" A", " B", " C"])
+    assert np.allclose(probs, np.exp([-0.5, -3.0, -2.3]) / np.exp([-0.5, -3.0, -2.3]).sum())
+    assert np.isclose(mass, math.exp(-0.5) + math.exp(-2.3))  # of the labels the server returned
+    assert route_probabilities({}, [" A", " B"]) == ([0.0, 1.0], 0.0)
+
+
+def lora_folder(folder: Path, seed: int, r: int) -> Path:
+    """A saved LoRA adapter (one module) written directly: what `agent.adapters.cat_adapter` reads."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.randn(r, 8, generator=g),
+               f"{key}.lora_B.weight": torch.randn(8, r, generator=g)}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj"],
+        "base_model_name_or_path": "m", "bias": "none"}))
+    return folder
+
+
+def test_routes_are_served_by_name_and_a_merge_as_one_concatenated_adapter_loaded_once(tmp_path):
+    from trace_lib.evaluation.runner import evaluate_policy
+    from trace_lib.routing.compose import apply_route
+
+    folders = {n: lora_folder(tmp_path / n, i, r) for i, (n, r) in enumerate((("a", 4), ("b", 2)))}
+    tasks = [kv_task(i) for i in (1, 2, 3, 4)]
+    routing = {tasks[0].id: {}, tasks[1].id: {"a": 1.0}, tasks[2].id: {"a": 0.6, "b": 0.4},
+               tasks[3].id: {"b": 0.4, "a": 0.6}}
+    cfg = RolloutConfig(samples_per_task=1, batch_size=4, temperature=0.0, constrained=True, tool_choice="first")
+
+    def agent(body):
+        return serving(body) if "lora_name" in body else kv_agent(body)
+
+    with FakeOpenAI(agent) as api:
+        p = policy(api.url, adapters=["served"], route_dir=tmp_path / "routes")
+        for name, folder in folders.items():
+            p.load_adapter(name, str(folder))
+        trajs = evaluate_policy(p, tasks, KVEnv, cfg, seed=0, routing=routing)
+        with pytest.raises(ValueError, match=r"a merge of \['served'\] needs their folders"):
+            with apply_route(p, {"served": 0.5, "a": 0.5}):
+                pass
+    routes = list((tmp_path / "routes").iterdir())
+    assert len(routes) == 1 and sorted(f.name for f in routes[0].iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((routes[0] / "adapter_config.json").read_text())["r"] == 6
+    loads = [b for path, b in api.requests if path == "/v1/load_lora_adapter"]
+    assert loads[2:] == [{"lora_name": routes[0].name, "lora_path": str(routes[0].resolve())}]  # once for both
+    models = {b["model"] for b in api.bodies()}
+    assert models == {"smollm2-135m", "a", routes[0].name}
+    assert [(t.adapter, t.policy_id) for t in trajs] == [
+        (None, "smollm2-135m"), ("a", "smollm2-135m+a"), ("merge[a=0.6,b=0.4]", "smollm2-135m+merge[a=0.6,b=0.4]"),
+        ("merge[a=0.6,b=0.4]", "smollm2-135m+merge[a=0.6,b=0.4]")]
+    assert all(t.success for t in trajs) and p.adapter is None and p.policy_id == "smollm2-135m"
 
 
 @pytest.mark.filterwarnings("ignore::trace_lib.config.ProfileOverride")

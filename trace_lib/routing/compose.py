@@ -23,6 +23,10 @@ decodes at base-model speed. PEFT's own `merge`/`unmerge` would do the arithmeti
 restore by subtraction, which is not bit-exact in floating point. So the merge here uses PEFT's
 public per-layer `get_delta_weight` (which handles scaling and fan_in_fan_out) and its
 `disable_adapter` context, and keeps the restore exact by caching.
+
+A server cannot have its base weights edited per task; there a merge is served as one adapter of
+summed rank, PEFT's `cat` combination computed on the adapters' files (`agent.adapters.cat_adapter`),
+which the server loads by name (`agent.remote.OpenAIPolicy.use_route`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from trace_lib.agent.adapters import merge_label
+
+__all__ = ["apply_route", "is_merged", "merge_label", "merged_adapters", "use_adapter", "use_weights"]
 
 _MERGED = "_trace_merged"
 """Attribute set on a model while its base weights hold a merge (checked by the router and here)."""
@@ -50,11 +58,6 @@ def _lora_layers(model: Any) -> list[Any]:
 
 def _has_adapter(layer: Any, name: str) -> bool:
     return name in layer.lora_A or name in getattr(layer, "lora_embedding_A", {})
-
-
-def merge_label(weights: Mapping[str, float]) -> str:
-    """A stable name for a weighted merge, e.g. 'merge[a=0.6,b=0.25]' (6 significant digits)."""
-    return "merge[" + ",".join(f"{n}={float(w):.6g}" for n, w in sorted(weights.items())) + "]"
 
 
 @contextmanager
@@ -147,10 +150,15 @@ def use_weights(policy: Any, weights: Mapping[str, float]) -> Iterator[Any]:
 def apply_route(policy: Any, route: Any) -> Iterator[Any]:
     """Run `policy` as a routing decision says: a `RouteDecision` or an {adapter: α} dict.
 
-    Empty -> base model; one adapter at α = 1 -> that adapter (PEFT path); otherwise a merge.
+    Empty -> base model; one adapter at α = 1 -> that adapter (PEFT path); otherwise a merge. A served
+    policy (`agent.remote.OpenAIPolicy`) serves the route itself (`use_route`: a merge is one `cat` adapter).
     """
     weights = dict(getattr(route, "weights", route))
     weights = {n: a for n, a in weights.items() if a != 0.0}
+    if hasattr(policy, "use_route"):
+        with policy.use_route(weights):
+            yield policy
+        return
     if not weights:
         with use_adapter(policy, None):
             yield policy

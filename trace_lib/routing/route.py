@@ -159,6 +159,10 @@ def _unwrap(model: Any, tokenizer: Any) -> tuple[Any, Any]:
 
 
 def _label_scores(model, tokenizer, prompts, labels, batch_size) -> tuple[np.ndarray, np.ndarray]:
+    if hasattr(model, "label_scores"):  # a served policy (agent.remote): the server's top log-probabilities
+        if any(isinstance(p, str) for p in prompts):
+            raise TypeError("a served policy scores routing questions as messages (route_prompt), not rendered text")
+        return model.label_scores(prompts, labels, ANSWER_PREFIX)
     model, tokenizer = _unwrap(model, tokenizer)
     if is_merged(model):
         raise RuntimeError("routing inside compose.merged_adapters would score a merged model, not the base")

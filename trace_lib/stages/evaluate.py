@@ -1,8 +1,9 @@
 """Stage `evaluate`: the router + capability adapters on held-out target tasks, against baselines.
 
-Reads params.yaml (sections `model`, `env`, `rollout`, `analyst`, `synthesize`, `train`, `evaluate`),
-the prepared model and what `trace_lib.evaluation.inputs` lists (adapters, ledgers, synthetic envs, kept
-capabilities); writes
+Reads params.yaml (sections `model`, `policy`, `env`, `rollout`, `analyst`, `synthesize`, `train`,
+`evaluate`), the prepared model (or the server `policy` names: adapters loaded into it by name, routes
+scored from its log-probabilities, merges served as concatenated adapters) and what
+`trace_lib.evaluation.inputs` lists (adapters, ledgers, synthetic envs, kept capabilities); writes
 
     data/evaluate/trajectories/<method>.jsonl   every evaluation episode (Trajectory, no timings)
     data/evaluate/routes/<method>.jsonl         the router's decision per task (RouteDecision)
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from trace_lib.agent.model import numerics
-from trace_lib.agent.policy import load_policy
+from trace_lib.agent.backends import open_policy
 from trace_lib.config import EnvConfig, EvaluateConfig, Params
 from trace_lib.envs import load_tasks, make_env, task_split
 from trace_lib.envs.base import Environment
@@ -98,17 +99,11 @@ ROUTERS: tuple[RouterName, ...] = get_args(RouterName)
 def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
     """The whole stage (see the module docstring); returns the metrics written to evaluate.json."""
     cfg: EvaluateConfig = params.evaluate
-    params.policy.require_in_process("evaluate")
     t0 = time.perf_counter()
     paths = Paths(root)
-    model_dir = root / params.model.out_dir
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first")
     caps, baselines = inputs.find_adapters(root)
     names = sorted(caps)
-    policy = load_policy(model_dir, dtype=params.model.dtype, device=params.model.device,
-                         threads=params.rollout.threads,
-                         adapters={n: str(p) for n, p in {**caps, **baselines}.items()} or None)
+    policy = open_policy(params, root / params.model.out_dir, {**caps, **baselines}, threads=params.rollout.threads)
     for folder in [*caps.values(), *baselines.values()]:
         inputs.check_base_model(folder, policy.base_id)
     rcfg = eval_rollout_config(params.rollout, cfg)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trace_lib.agent.backends import open_policy
 from trace_lib.agent.model import numerics
 from trace_lib.agent.rollout import collect_rollouts, summarize
 from trace_lib.config import Params
@@ -39,7 +40,7 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
     tasks = by_split[params.rollout.split][: params.rollout.max_tasks]
     if not tasks:
         raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")
-    policy = rollout_policy(params, model_dir)
+    policy = open_policy(params, model_dir)
     trajectories, timing = collect_rollouts(
         policy, lambda: make_env(params.env), tasks, params.rollout, params.seed, progress=progress
     )
@@ -63,14 +64,3 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
         metrics["server"] = {"base_url": params.policy.base_url, **policy.stats.as_dict()}
     write_json(paths.metrics("rollout"), metrics)
     return metrics
-
-
-def rollout_policy(params: Params, model_dir: Path) -> Any:
-    """The base agent: trace's engine on the prepared model, or the server `policy` names."""
-    if params.policy.backend == "openai":
-        from trace_lib.agent.remote import OpenAIPolicy
-
-        return OpenAIPolicy.from_config(params.policy, default_model=params.model.id)
-    from trace_lib.agent.policy import load_policy  # heavy import (torch), kept out of module import time
-
-    return load_policy(model_dir, dtype=params.model.dtype, device=params.model.device)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.agent.backends import open_policy
 from trace_lib.config import Params, ScalingConfig
 from trace_lib.envs import make_env
 from trace_lib.evaluation import inputs
@@ -70,7 +70,6 @@ from trace_lib.records import RouteDecision, Trajectory
 
 def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
     """The whole stage (see the module docstring); returns the metrics written to scaling.json."""
-    params.policy.require_in_process("scaling")
     t0 = time.perf_counter()
     cfg: ScalingConfig = params.scaling
     ecfg = params.evaluate
@@ -157,8 +156,7 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
     (base episodes reused for tasks sent to no adapter)."""
     ecfg = params.evaluate
     adapters = {snapshot_name(p, c): str(s.path) for p in todo for c, s in p["adapters"].items()}
-    policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype, device=params.model.device,
-                         threads=params.rollout.threads, adapters=adapters)
+    policy = open_policy(params, root / params.model.out_dir, adapters, threads=params.rollout.threads)
     rcfg = eval_rollout_config(params.rollout, ecfg)
     targets = eval_targets(params.env, ecfg, root)
     memo: dict | None = None

@@ -1,0 +1,38 @@
+"""The agent policy a stage runs on, as `params.policy` names it: trace's engine or a server.
+
+Reads the prepared model folder (embedded) or nothing (openai); writes nothing. Both return an object
+with the `Generator` protocol (agent/rollout.py), `set_adapter`, `policy_id` and `device`, which the
+routing (`routing.route`) and composition (`routing.compose.apply_route`) code drive either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trace_lib.config import Params
+
+
+def open_policy(params: Params, model_dir: Path, adapters: Mapping[str, str | Path] | None = None,
+                *, threads: int = 0) -> Any:
+    """The policy with `adapters` ({name: adapter folder}) loaded, the base model active.
+
+    embedded: `agent.policy.load_policy` on `model_dir`, the prepared `model.out_dir` (`threads` torch
+    threads; 0 leaves them).
+    openai: `agent.remote.OpenAIPolicy` at `policy.base_url`, each adapter loaded into the server at run
+    time from its absolute path (the server must see the same file system and allow run-time loading)."""
+    if params.policy.backend == "openai":
+        from trace_lib.agent.remote import OpenAIPolicy
+
+        policy = OpenAIPolicy.from_config(params.policy, default_model=params.model.id)
+        for name, folder in sorted((adapters or {}).items()):
+            policy.load_adapter(name, str(Path(folder).resolve()))
+        return policy
+    from trace_lib.agent.policy import load_policy  # heavy import (torch), kept out of module import time
+
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
+                                "(dvc repro prepare_model)")
+    return load_policy(model_dir, dtype=params.model.dtype, device=params.model.device, threads=threads,
+                       adapters={n: str(p) for n, p in adapters.items()} if adapters else None)
