@@ -97,8 +97,24 @@ def loras(tiny_model_dir, tmp_path_factory):
             "b1": save_lora(tiny_model_dir, root / "b1", 4, ["k_proj", "o_proj"])}
 
 
-def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch):
-    """Evaluate on 2 tasks with two adapters that each have one snapshot, then the scaling stage."""
+@pytest.mark.parametrize("backend", ["embedded", "openai"])
+def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch, backend):
+    """Evaluate on 2 tasks with two adapters that each have one snapshot, then the scaling stage; in-process,
+    and on a (fake) server that loads every adapter and snapshot by name."""
+    from test_remote import FakeOpenAI, serving
+
+    with FakeOpenAI(serving) as api:
+        server = {"policy": {"backend": "openai", "base_url": api.url, "served_model": tiny_model_dir.name,
+                             "route_dir": str(tmp_path / "routes")},
+                  "model": {"out_dir": "no/such/model"}} if backend == "openai" else {}
+        run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server)
+    if backend == "openai":
+        loaded = {b["lora_name"] for path, b in api.requests if path == "/v1/load_lora_adapter"}
+        assert {"precondition_verification@iter-1", "structured_data_reasoning@iter-1", "grpo_target@iter-1",
+                "grpo_target", "precondition_verification", "structured_data_reasoning"} <= loaded
+
+
+def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict) -> None:
     from trace_lib.stages.evaluate import run_evaluate
     from trace_lib.stages.scaling import run_scaling
 
@@ -123,7 +139,7 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
         "env": {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2},
         "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
         "evaluate": {"interference_seeds": 0, "n_boot": 100, "methods": ["base", "trace", "grpo_target"],
-                     "route_mode": "argmax"},
+                     "route_mode": "argmax"}, **server,
     })
     run_evaluate(params, tmp_path, progress=False)
     metrics = run_scaling(params, tmp_path, progress=False)
