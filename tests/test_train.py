@@ -335,6 +335,54 @@ def test_the_trainable_policy_samples_with_its_adapter(tiny_model_dir):
     assert {n.split(".")[-2] for n in trainable} == {"default"}
 
 
+def fake_unsloth(calls: list) -> SimpleNamespace:
+    """Unsloth's `FastLanguageModel` API (what `load_trainable` calls), done with transformers and PEFT, so
+    the unsloth path of the train stage runs on a CPU; records its calls."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def from_pretrained(model_name, dtype=None, load_in_4bit=False, **kw):
+        calls.append(("from_pretrained", {"model_name": model_name, "dtype": dtype, "load_in_4bit": load_in_4bit,
+                                          **kw}))
+        return AutoModelForCausalLM.from_pretrained(model_name), AutoTokenizer.from_pretrained(model_name)
+
+    def peft(model, r, lora_alpha, lora_dropout, target_modules, bias, random_state, **kw):
+        calls.append(("get_peft_model", {"r": r, "lora_alpha": lora_alpha, "target_modules": target_modules,
+                                         "bias": bias, "random_state": random_state, **kw}))
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                                target_modules=target_modules, bias=bias))
+
+    return SimpleNamespace(FastLanguageModel=SimpleNamespace(from_pretrained=from_pretrained, get_peft_model=peft))
+
+
+def test_the_unsloth_backend_trains_through_the_same_path_and_writes_the_same_records(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    import sys
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trace_lib.agent.chat import tool_chat_template
+    from trace_lib.training import trainer as trainer_mod
+
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "unsloth", fake_unsloth(calls))
+    monkeypatch.setattr(trainer_mod, "resolve_train_backend", lambda name: "unsloth")  # as on a CUDA machine
+    manifest, ledger = train(tiny_model_dir, tmp_path, iterations=1, group_size=2, lora_rank=4, lora_alpha=8,
+                             target_modules=["q_proj", "v_proj"])
+    assert [c[0] for c in calls] == ["from_pretrained", "get_peft_model"]
+    assert calls[0][1] == {"model_name": str(tiny_model_dir), "dtype": None, "load_in_4bit": False}
+    assert calls[1][1] == {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+                           "random_state": 0}
+    assert manifest.backend == "unsloth" and manifest.rollouts_used == ledger.used("train", "cap") == 4
+    out = tmp_path / "adapter"
+    assert len((out / "train_log.jsonl").read_text().splitlines()) == 1
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    assert sorted(loaded.peft_config["default"].target_modules) == ["q_proj", "v_proj"]
+    policy, _ = trainer_mod.load_trainable(tiny_model_dir, TrainConfig(lora_rank=4), "unsloth", seed=0)
+    assert policy.tokenizer.chat_template == tool_chat_template() and policy.adapter == "default"
+
+
 def test_mixture_proportions_follow_the_weights():
     picks = group_sources([3.0, 1.0, 0.0], 4000, seed=1)
     share = Counter(picks)
