@@ -346,14 +346,30 @@ class TrainConfig(Section):
     shared_prompt: bool = True
     """Compute each group's prompt once per loss pass, score only the agent's tokens
     (training/shared_prompt.py); False: TRL's own pass over every row (with activation checkpointing)."""
+    processes: int = Field(1, ge=1)
+    """Training processes on this machine (DDP): above 1 the train stage relaunches itself under
+    `accelerate launch` (training/distributed.py), each process plays and trains `groups / processes`
+    whole groups per iteration (one GPU each; gloo on a CPU), and the gradients are averaged. Needs
+    `shared_prompt`; `groups` must be a multiple of it."""
     micro_batch: int = Field(0, ge=0)
     """Episodes per forward/backward pass (0: on CPU the whole iteration with `shared_prompt`, else 1;
-    a group of K on CUDA); must divide groups x group_size. Gradients are accumulated over the iteration (the loss is normalised by the
-    iteration's token count), so only memory and float rounding depend on it. On CPU, 4 SmolLM2
+    a group of K on CUDA); must divide groups x group_size (per process). Gradients are accumulated over
+    the iteration (the loss is normalised by the iteration's token count), so only memory and float
+    rounding depend on it. On CPU, 4 SmolLM2
     retail episodes (~2.7k tokens each) per pass peaked at 16.5 GB."""
     threads: int = Field(0, ge=0)
     """torch CPU threads (0: torch's default for the update; sampling runs on fewer while other
     processes keep the cores busy, agent/threads.py; n > 0: always n)."""
+
+    @model_validator(mode="after")
+    def _processes_get_whole_groups(self) -> TrainConfig:
+        if self.processes > 1 and self.groups % self.processes:
+            raise ValueError(f"train.groups ({self.groups}) must be a multiple of train.processes ({self.processes}):"
+                             " each process trains whole groups")
+        if self.processes > 1 and not self.shared_prompt:
+            raise ValueError("train.processes > 1 needs train.shared_prompt (the loss pass whose gradients trace "
+                             "averages across processes)")
+        return self
 
 
 MethodName = Literal["base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route", "trace"]

@@ -45,6 +45,7 @@ from trace_lib.plots.train import write_train_csvs
 from trace_lib.records import AdapterManifest, Task
 from trace_lib.synth.sandbox import SandboxError, SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
+from trace_lib.training import distributed
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.hints import hint_from_steps, reference_steps
@@ -99,7 +100,13 @@ def _resume_key(params: Params) -> str:
 
 
 def run_train(params: Params, root: Path = Path("."), *, progress: bool = False) -> dict[str, Any]:
-    """The whole stage (see the module docstring); returns the metrics written to train.json."""
+    """The whole stage (see the module docstring); returns the metrics written to train.json.
+
+    With `train.processes` > 1 it runs under `accelerate launch` on that many processes (`launch_train`);
+    process 0 writes every output."""
+    rank, size = distributed.init()
+    if params.train.processes > 1 and size == 1:
+        return launch_train(params, root)
     paths = Paths(root)
     model_dir = root / params.model.out_dir
     cfg = params.train
@@ -139,6 +146,8 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 model_dir, baselines[name](), bcfg, out_dir, seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(name, baseline=True)), name=name, progress=progress,
                 ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], **resume))
+    if rank > 0:  # process 0 writes the stage's outputs
+        return {}
     write_jsonl(paths.adapter_manifests, manifests)
     write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths.train_logs)
     metrics = {
@@ -153,3 +162,44 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     write_json(paths.metrics("train"), metrics)
     shutil.rmtree(paths.checkpoints, ignore_errors=True)  # every adapter is written: nothing to resume
     return metrics
+
+
+def launch_train(params: Params, root: Path) -> dict[str, Any]:
+    """Run this stage on `train.processes` local processes (`python -m trace_lib.stages.train` under
+    `accelerate launch`); returns the metrics process 0 wrote. A failed launch raises with its output's tail."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from trace_lib.agent.serve import free_port
+    from trace_lib.io import read_json
+
+    with tempfile.TemporaryDirectory(prefix="trace-train-") as tmp:
+        spec = Path(tmp) / "params.json"
+        write_json(spec, params.model_dump(mode="json"))
+        cmd = distributed.launch_command(params.train.processes, ["-m", "trace_lib.stages.train", "--params",
+                                                                  str(spec), "--root", str(Path(root).resolve())],
+                                         port=free_port())
+        done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        sys.stderr.write(done.stderr[-20000:])
+    if done.returncode != 0:
+        raise RuntimeError(f"the train stage on {params.train.processes} processes failed (exit "
+                           f"{done.returncode}): {' '.join(cmd)}\n{done.stderr[-4000:]}")
+    return read_json(Paths(root).metrics("train"))
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """Entry point of each process `launch_train` starts."""
+    import argparse
+
+    from trace_lib.io import read_json
+
+    parser = argparse.ArgumentParser(description="trace's train stage, one process of a distributed launch")
+    parser.add_argument("--params", required=True, help="the validated params, as JSON")
+    parser.add_argument("--root", required=True)
+    args = parser.parse_args(argv)
+    run_train(Params.model_validate(read_json(Path(args.params))), Path(args.root))
+
+
+if __name__ == "__main__":
+    _main()

@@ -62,6 +62,7 @@ from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
 from trace_lib.records import Message, Task
 from trace_lib.synth.rubric import item_means
+from trace_lib.training import distributed
 from trace_lib.training.hints import hinted_samples, with_hint
 
 TRUNCATION_MARK = " ...[truncated]"
@@ -289,39 +290,23 @@ class AgentRollout:
             timing = play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
         finally:
             model.train(was_training)
-        self.on_rollouts(len(episodes))
         for ep in episodes:
             ep.env_reward, info = ep.env.reward()
             ep.rubric = info.get("rubric")
             ep.success = ep.env_reward >= 1.0
             ep.reward = float(self.reward.score(ep.env_reward, ep.success, ep.tool_calls))
-        masks, zero_std = self._masks(episodes)
-        epoch = self.reward.end_epoch([ep.tool_calls for ep in episodes if ep.success])
+        masks, zero_groups = self._masks(episodes)
+        # with several training processes (training/distributed.py) every process sees the whole iteration
+        # here, so the ledger, the efficiency threshold and the log stay the same on each
+        done = distributed.gather([_summary(ep, sum(mask)) for ep, mask in zip(episodes, masks, strict=True)])
+        groups = distributed.gather([(zero_groups, len(episodes) // self.cfg.group_size)])  # per process
+        self.on_rollouts(len(done))
+        epoch = self.reward.end_epoch([d["tool_calls"] for d in done if d["success"]])
         self.last = episodes
-        n = len(episodes)
+        self.stats[iteration] = {**iteration_stats(done, sum(z for z, _ in groups), sum(g for _, g in groups)),
+                                 "tool_calls_correct": epoch["tool_calls_correct"], "l_t": epoch["l_t"],
+                                 "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0}}
         rewards = [ep.reward for ep in episodes]
-        mean = sum(rewards) / n
-        guided = [ep for ep in episodes if ep.hinted]
-        unguided = [ep for ep in episodes if not ep.hinted]
-        self.stats[iteration] = {
-            "reward": mean,
-            "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(1, n - 1)) ** 0.5,
-            "success_rate": sum(ep.success for ep in episodes) / n,
-            "hinted": len(guided),
-            "success_rate_unhinted": sum(ep.success for ep in unguided) / len(unguided) if unguided else None,
-            "success_rate_hinted": sum(ep.success for ep in guided) / len(guided) if guided else None,
-            "frac_reward_zero_std": zero_std,
-            "env_score": sum(ep.env_reward for ep in episodes) / n,
-            "rubric": item_means([ep.rubric for ep in episodes]) or None,
-            "tool_calls": sum(ep.tool_calls for ep in episodes) / n,
-            "tool_calls_correct": epoch["tool_calls_correct"],
-            "l_t": epoch["l_t"],
-            "completion_tokens": sum(ep.agent_tokens for ep in episodes),
-            "completion_length": sum(ep.agent_tokens for ep in episodes) / n,
-            "trained_tokens": sum(map(sum, masks)),
-            "rollouts": n,
-            "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0},
-        }
         return {
             "prompt_ids": [ep.prompt_ids for ep in episodes],
             "completion_ids": [ep.completion_ids for ep in episodes],
@@ -359,7 +344,8 @@ class AgentRollout:
                                           hint=hints.get(key) if sample in guided else None))
         return episodes
 
-    def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], float]:
+    def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], int]:
+        """Each episode's loss mask, and how many groups were dropped (identical rewards)."""
         masks = [loss_mask(ep, self.cfg.filter_lookup_only) for ep in episodes]
         k = self.cfg.group_size
         if len(episodes) % k:
@@ -371,7 +357,40 @@ class AgentRollout:
                 zero += 1
                 for i in range(g, g + k):
                     masks[i] = [0] * len(masks[i])
-        return masks, zero / (len(episodes) // k)
+        return masks, zero
+
+
+def _summary(ep: Episode, trained_tokens: int) -> dict[str, Any]:
+    """What the iteration's statistics need of one scored episode (picklable, for `distributed.gather`)."""
+    return {"reward": ep.reward, "success": ep.success, "hinted": ep.hinted, "env_reward": ep.env_reward,
+            "rubric": ep.rubric, "tool_calls": ep.tool_calls, "agent_tokens": ep.agent_tokens,
+            "trained_tokens": trained_tokens}
+
+
+def iteration_stats(done: Sequence[dict[str, Any]], zero_groups: int, groups: int) -> dict[str, Any]:
+    """The train log's statistics of one iteration from its episodes' `_summary` rows (all processes) and
+    how many of its groups were dropped for identical rewards."""
+    n = len(done)
+    rewards = [d["reward"] for d in done]
+    mean = sum(rewards) / n
+    guided = [d for d in done if d["hinted"]]
+    unguided = [d for d in done if not d["hinted"]]
+    return {
+        "reward": mean,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(1, n - 1)) ** 0.5,
+        "success_rate": sum(d["success"] for d in done) / n,
+        "hinted": len(guided),
+        "success_rate_unhinted": sum(d["success"] for d in unguided) / len(unguided) if unguided else None,
+        "success_rate_hinted": sum(d["success"] for d in guided) / len(guided) if guided else None,
+        "frac_reward_zero_std": zero_groups / groups,
+        "env_score": sum(d["env_reward"] for d in done) / n,
+        "rubric": item_means([d["rubric"] for d in done]) or None,
+        "tool_calls": sum(d["tool_calls"] for d in done) / n,
+        "completion_tokens": sum(d["agent_tokens"] for d in done),
+        "completion_length": sum(d["agent_tokens"] for d in done) / n,
+        "trained_tokens": sum(d["trained_tokens"] for d in done),
+        "rollouts": n,
+    }
 
 
 def trajectory_reward(prompts: list[Any], completions: list[Any], reward: list[float], **_: Any) -> list[float]:

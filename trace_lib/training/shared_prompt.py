@@ -22,7 +22,9 @@ from transformers.cache_utils import DynamicCache
 
 
 def decoder_and_head(model: Any) -> tuple[Any, Any]:
-    """(decoder stack returning hidden states, LM head) of a causal LM, PEFT-wrapped or not."""
+    """(decoder stack returning hidden states, LM head) of a causal LM, PEFT-wrapped or not, inside a DDP
+    wrapper or not (its modules are called directly: `training/distributed.py` averages the gradients)."""
+    model = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "model") or not hasattr(base, "lm_head"):
         raise TypeError(f"{type(base).__name__} has no .model/.lm_head: not a decoder-only causal LM")

@@ -69,6 +69,7 @@ from trace_lib.io import (
     write_json,
 )
 from trace_lib.records import AdapterManifest
+from trace_lib.training import distributed
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import (
     AgentRollout,
@@ -205,15 +206,20 @@ class AgentGRPOTrainer(GRPOTrainer):
     _score_mask: Any = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        kept = drop_masked_rows(inputs)
-        if kept is None:  # a zero loss still connected to the trainable weights, for backward()
-            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        # With several processes every row stays: TRL's loss gathers per-row values across processes,
+        # which needs the same rows on each (and every process must run the pass).
+        kept = inputs if distributed.world()[1] > 1 else drop_masked_rows(inputs)
+        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0  # connected, for backward()
+        if kept is None:
+            return zero
         mask = kept["completion_mask"]
         self._score_mask = mask * kept["tool_mask"] if "tool_mask" in kept else mask
         try:
-            return super().compute_loss(model, kept, return_outputs, num_items_in_batch)
+            loss = super().compute_loss(model, kept, return_outputs, num_items_in_batch)
         finally:
             self._score_mask = None
+        # every row masked (kept for the other processes): the shared-prompt pass scored nothing
+        return loss if return_outputs or loss.requires_grad else loss + zero
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
@@ -290,10 +296,10 @@ def _fingerprint(cfg: TrainConfig, sources: Sequence[TrainSource], seed: int, en
     return hashlib.sha256(dumps_json(what).encode("utf-8")).hexdigest()
 
 
-def _resume_state(ckpt_root: Path, fingerprint: str) -> tuple[Path | None, dict[str, Any]]:
+def _resume_state(ckpt_root: Path, fingerprint: str, delete: bool = True) -> tuple[Path | None, dict[str, Any]]:
     """The newest checkpoint that holds our state file (a crash mid-save leaves one without) saved
     under `fingerprint`; when there is none, anything in `ckpt_root` is deleted (a crashed run of
-    another configuration must not be resumed, nor its files mixed with this run's)."""
+    another configuration must not be resumed, nor its files mixed with this run's) if `delete`."""
     if ckpt_root.is_dir():
         found = sorted((int(p.name.split("-")[1]), p) for p in ckpt_root.glob("checkpoint-*")
                        if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
@@ -304,7 +310,8 @@ def _resume_state(ckpt_root: Path, fingerprint: str) -> tuple[Path | None, dict[
                 return path, state
             warnings.warn(f"{ckpt_root}: checkpoints of another configuration deleted; training starts over",
                           stacklevel=3)
-        shutil.rmtree(ckpt_root)
+        if delete:
+            shutil.rmtree(ckpt_root)
     return None, {"iteration": 0, "ledger": [], "log": [], "timing": [], "reward": None}
 
 
@@ -344,14 +351,20 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     if Path(ledger.path).resolve().is_relative_to(out_dir.resolve()):
         raise ValueError(f"the ledger {ledger.path} must live outside out_dir {out_dir} (out_dir is replaced whole)")
     backend = resolve_train_backend(cfg.backend)
-    _micro_batch(cfg)
+    rank, size = distributed.init()
+    _micro_batch(cfg, size)
+    if rank > 0:  # process 0 writes the ledger; the others append the same counts to a copy of it
+        shared = ledger
+        ledger = RolloutLedger(distributed.private_copy(shared.path, rank))
+    distributed.barrier()  # every copy is taken before process 0 changes the ledger
     per_iter = cfg.groups * cfg.group_size
     budget = cfg.rollout_budget or cfg.iterations * per_iter
     ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else out_dir.parent / f".{name}.ckpt"
     if ckpt_root.resolve().is_relative_to(out_dir.resolve()):
         raise ValueError(f"the checkpoints {ckpt_root} must live outside out_dir {out_dir} (out_dir is replaced whole)")
     fingerprint = _fingerprint(cfg, sources, seed, env_sha256, resume_key)
-    ckpt, state = _resume_state(ckpt_root, fingerprint)
+    ckpt, state = _resume_state(ckpt_root, fingerprint, delete=rank == 0)
+    distributed.barrier()
     dropped = ledger.reset(STAGE, name, state["ledger"])
     if dropped > 0:
         warnings.warn(f"{ledger.path}: dropped {dropped} rollouts of {name!r} logged after the checkpoint resumed "
@@ -370,6 +383,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     rollout = AgentRollout(policy, sources, cfg, reward, lambda n: ledger.add(STAGE, n, key=name), seed)
 
     def save_state(folder: Path, iteration: int) -> None:
+        if rank > 0:  # process 0 writes the checkpoint's trace state and snapshot
+            return
         if cfg.snapshots:  # before the state file: a checkpoint that has one has its snapshot too
             keep_snapshot(folder, ckpt_root / SNAPSHOTS / f"iter-{iteration}", iteration, ledger.used(STAGE, name))
         rows = [r for r in ledger.rows() if r["stage"] == STAGE and r["key"] == name]
@@ -378,7 +393,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
                                          "fingerprint": fingerprint})
 
     callback = TraceCallback(rollout, run, lambda: ledger.used(STAGE, name), save_state)
-    trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress)
+    trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress, size)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
 
     manifest = AdapterManifest(
@@ -388,6 +403,10 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         config={"train": cfg.model_dump(mode="json"), "seed": seed,
                 "sources": {s.name: s.weight for s in sources}, "budget": budget},
     )
+    if rank > 0:  # the weights are process 0's (the same on every process); it writes the adapter
+        distributed.barrier()
+        Path(ledger.path).unlink(missing_ok=True)
+        return manifest
     _remove_leftovers(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     policy.model.save_pretrained(tmp)
@@ -403,33 +422,44 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
                 "seconds_per_iteration": sum(times) / len(times) if times else None})
     if not keep_checkpoints:
         shutil.rmtree(ckpt_root, ignore_errors=True)
+    distributed.barrier()
     return manifest
 
 
-def _micro_batch(cfg: TrainConfig) -> int:
+def _micro_batch(cfg: TrainConfig, processes: int = 1) -> int:
+    """Rollouts per forward/backward pass of one process. With several processes each plays and trains
+    `groups / processes` whole groups per iteration (the per-process batch a multiple of K)."""
     import torch
 
+    if cfg.groups % processes:
+        raise ValueError(f"train.groups ({cfg.groups}) must be a multiple of the {processes} training processes")
+    per_iter = cfg.groups * cfg.group_size // processes
     if torch.cuda.is_available():
         auto = cfg.group_size
     else:  # with the shared prompt, one pass over the iteration (TRL shuffles rows across micro-batches)
-        auto = cfg.groups * cfg.group_size if cfg.shared_prompt else 1
-    micro, per_iter = cfg.micro_batch or auto, cfg.groups * cfg.group_size
+        auto = per_iter if cfg.shared_prompt else 1
+    micro = cfg.micro_batch or auto
     if per_iter % micro:
-        raise ValueError(f"train.micro_batch ({micro}) must divide groups x group_size ({per_iter})")
+        raise ValueError(f"train.micro_batch ({micro}) must divide the rollouts of an iteration per process "
+                         f"({per_iter} = groups x group_size / processes)")
+    if processes > 1 and (micro % cfg.group_size or not cfg.shared_prompt):
+        raise ValueError(f"with {processes} training processes a micro-batch must hold whole groups "
+                         f"(train.micro_batch {micro}, group_size {cfg.group_size}) and train.shared_prompt must "
+                         "be on (its loss pass is the one whose gradients trace averages across processes)")
     return micro
 
 
 def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, callback, ckpt_root: Path,
-                  iterations: int, seed: int, progress: bool) -> AgentGRPOTrainer:
-    """TRL's GRPOTrainer set up for one optimizer step per G x K episodes."""
+                  iterations: int, seed: int, progress: bool, processes: int = 1) -> AgentGRPOTrainer:
+    """TRL's GRPOTrainer set up for one optimizer step per G x K episodes (over all processes)."""
     import torch
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
-    micro, per_iter = _micro_batch(cfg), cfg.groups * cfg.group_size
+    micro, per_process = _micro_batch(cfg, processes), cfg.groups * cfg.group_size // processes
     args = GRPOConfig(
         output_dir=str(ckpt_root), seed=seed, max_steps=iterations,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=per_iter // micro,
-        steps_per_generation=per_iter // micro, num_generations=cfg.group_size, shuffle_dataset=False,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=per_process // micro,
+        steps_per_generation=per_process // micro, num_generations=cfg.group_size, shuffle_dataset=False,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         beta=cfg.beta, epsilon=cfg.epsilon, temperature=cfg.temperature, loss_type="dapo", scale_rewards="group",
         logging_steps=1, save_strategy="steps", save_steps=cfg.save_every, save_total_limit=2,
@@ -445,6 +475,8 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
     trainer = AgentGRPOTrainer(model=policy.model, reward_funcs=[trajectory_reward], args=args,
                                train_dataset=train_dataset(sources, cfg, seed), processing_class=tok,
                                rollout_func=rollout, callbacks=[callback])
+    if processes > 1:
+        trainer.add_callback(distributed.GradientSync(policy.model))
     trainer.shared_prompt = cfg.shared_prompt
     if not progress:  # with tqdm off, HF prints every log dict instead; our log is train_log.jsonl
         trainer.remove_callback(PrinterCallback)
