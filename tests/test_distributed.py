@@ -104,7 +104,8 @@ def test_two_gloo_processes_train_one_adapter_with_the_same_weights_on_both(tiny
     assert manifest["rollouts_used"] == 16 and manifest["iterations"] == 2
 
 
-def test_the_train_stage_relaunches_itself_on_its_processes_and_reports_a_failed_launch(tmp_path, monkeypatch):
+def test_the_train_stage_relaunches_itself_on_its_processes_and_reports_a_failed_launch(tmp_path, monkeypatch,
+                                                                                       capfd):
     from trace_lib.config import params_from_dict
     from trace_lib.io import read_json, write_json
     from trace_lib.stages.train import run_train
@@ -112,17 +113,21 @@ def test_the_train_stage_relaunches_itself_on_its_processes_and_reports_a_failed
     params = params_from_dict({"train": {"processes": 2, "groups": 2}})
     seen = {}
 
-    def fake_run(cmd, **kw):
-        seen["cmd"] = cmd
-        seen["params"] = read_json(Path(cmd[cmd.index("--params") + 1]))
-        write_json(tmp_path / "reports" / "metrics" / "train.json", {"backend": "trl", "adapters": {}})
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+    def fake_launch(code: int, said: str):
+        def popen(cmd, **kw):
+            seen["cmd"] = cmd
+            seen["params"] = read_json(Path(cmd[cmd.index("--params") + 1]))
+            write_json(tmp_path / "reports" / "metrics" / "train.json", {"backend": "trl", "adapters": {}})
+            return real_popen([sys.executable, "-c", f"import sys; print({said!r}); sys.exit({code})"], **kw)
+        return popen
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", fake_launch(0, "iteration 1 of 2"))
     assert run_train(params, tmp_path) == {"backend": "trl", "adapters": {}}
+    assert "iteration 1 of 2" in capfd.readouterr().err  # the processes' output passes through as it comes
     cmd = seen["cmd"]
     assert cmd[cmd.index("--num_processes") + 1] == "2" and cmd[cmd.index("-m", 3) + 1] == "trace_lib.stages.train"
     assert cmd[cmd.index("--root") + 1] == str(tmp_path.resolve()) and seen["params"] == params.model_dump(mode="json")
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "boom: no GPU"))
+    monkeypatch.setattr(subprocess, "Popen", fake_launch(1, "boom: no GPU"))
     with pytest.raises(RuntimeError, match=r"the train stage on 2 processes failed \(exit 1\)(.|\n)*boom: no GPU"):
         run_train(params, tmp_path)

@@ -224,20 +224,35 @@ def test_episodes_played_through_a_server_are_ordinary_trajectories():
 
 
 def test_adapters_load_at_run_time_and_the_config_names_server_model_and_key(monkeypatch):
+    served = {"old"}
+
     def answer(body):
-        if "lora_name" in body:
-            status = 400 if body["lora_name"] == "old" else 200
-            return status, {"error": {"message": f"The lora adapter '{body['lora_name']}' has already been loaded."}}
+        name = body.get("lora_name")
+        if name == "broken":
+            return 404, {"error": {"message": "Not Found"}}
+        if name is not None and "lora_path" not in body:  # unload
+            served.discard(name)
+            return 200, {}
+        if name is not None:
+            if name in served:
+                return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded."}}
+            served.add(name)
+            return 200, {}
         return 200, completion(content="ok")
 
     with FakeOpenAI(answer) as api:
         p = policy(api.url, adapters=["old"])
         p.load_adapter("new", "/adapters/new")
-        p.load_adapter("old", "/adapters/old")  # already served: fine
+        p.load_adapter("old", "/adapters/old")  # already served: unloaded and loaded again from the folder
         p.set_adapter("new")
         p.generate([[Message(role="user", content="hi")]], [])
-    assert [b for path, b in api.requests if path == "/v1/load_lora_adapter"] == [
-        {"lora_name": "new", "lora_path": "/adapters/new"}, {"lora_name": "old", "lora_path": "/adapters/old"}]
+        with pytest.raises(ServerError, match="loading adapter 'broken'.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+            p.load_adapter("broken", "/adapters/broken")
+    assert [(path, b) for path, b in api.requests if "lora" in path][:4] == [
+        ("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "/adapters/new"}),
+        ("/v1/load_lora_adapter", {"lora_name": "old", "lora_path": "/adapters/old"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "old"}),
+        ("/v1/load_lora_adapter", {"lora_name": "old", "lora_path": "/adapters/old"})]
     assert p.adapters == ["new", "old"] and api.bodies()[0]["model"] == "new"
     monkeypatch.setenv("MY_KEY", "sk-test")
     cfg = params_from_dict({"policy": {"backend": "openai", "base_url": api.url, "api_key_env": "MY_KEY",

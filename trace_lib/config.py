@@ -146,9 +146,6 @@ class AnalystConfig(Section):
     """Replies cached by request hash; a rerun sends nothing. Not a DVC output (persistent)."""
     max_retries: int = Field(4, ge=0)
     """SDK retries on 408/409/429/5xx, timeouts and dropped connections (exponential backoff)."""
-    route_dir: str | None = None
-    """Folder for the concatenated adapters that serve merged routes; the server loads them from there,
-    so it must see the same path. None: `trace-routes` in the system's temporary folder."""
     timeout_s: float = Field(120.0, gt=0)
     """Seconds per request before it counts as timed out (and is retried)."""
     send_temperature: bool = True

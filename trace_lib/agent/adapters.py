@@ -78,8 +78,10 @@ def cat_adapter(folders: Mapping[str, Path], weights: Mapping[str, float]
     modules = sorted({k[: -len(".lora_A.weight")] for _, t in read.values() for k in t if k.endswith(".lora_A.weight")})
     tensors: dict[str, torch.Tensor] = {}
     for module in modules:
-        # A·α·s in this order, as PEFT's cat computes it, so the tensors are PEFT's to the bit
-        parts = [(t[f"{module}.lora_A.weight"] * active[n] * _adapter_scaling(c), t[f"{module}.lora_B.weight"])
+        # in float32 (PEFT upcasts adapter weights when it loads them) and A·α·s in this order, as PEFT's
+        # cat computes it, so the tensors are PEFT's to the bit
+        parts = [(t[f"{module}.lora_A.weight"].float() * active[n] * _adapter_scaling(c),
+                  t[f"{module}.lora_B.weight"].float())
                  for n, (c, t) in read.items() if f"{module}.lora_A.weight" in t]
         a = torch.cat([p[0] for p in parts], dim=0)
         b = torch.cat([p[1] for p in parts], dim=1)
@@ -96,7 +98,8 @@ def cat_adapter(folders: Mapping[str, Path], weights: Mapping[str, float]
 
 def adapter_digest(folders: Mapping[str, Path], weights: Mapping[str, float]) -> str:
     """A name for the concatenated adapter of `weights`: the weights and each adapter's file bytes, hashed."""
-    h = hashlib.sha256(merge_label(weights).encode())
+    h = hashlib.sha256(json.dumps({n: repr(float(a)) for n, a in weights.items() if float(a) != 0.0},
+                                  sort_keys=True).encode())
     for name in sorted(n for n, a in weights.items() if float(a) != 0.0):
         for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
             h.update(hashlib.sha256((Path(folders[name]) / file).read_bytes()).digest())

@@ -61,9 +61,12 @@ from trace_lib.agent.chat import (
 from trace_lib.records import Message
 
 NO_KEY = "EMPTY"
-TOP_LOGPROBS = 20
-"""Alternatives per position the OpenAI API returns at most; the route labels must be among them."""
 """The API key sent when the key variable is unset (vLLM started without `--api-key` accepts any)."""
+TOP_LOGPROBS = 20
+"""Alternatives per position the OpenAI API returns at most; a route label outside them is bounded by the
+least of them (`route_probabilities`)."""
+RUNTIME_LOADING = ("is the server running with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora, "
+                   "and can it read that path?")
 
 
 class ServerError(RuntimeError):
@@ -202,18 +205,29 @@ class OpenAIPolicy:
             raise ValueError(f"unknown adapter {name!r}; served: {self._adapters or 'none'}")
         self.adapter, self._shown = name, None
 
-    def load_adapter(self, name: str, path: str) -> None:
+    def load_adapter(self, name: str, path: str, *, reload: bool = True) -> None:
         """Load a LoRA adapter folder into the server under `name` (vLLM's `/v1/load_lora_adapter`;
-        the server must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`)."""
+        the server must run with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). A name the server already
+        serves is unloaded and loaded again from `path` (a retrained adapter must not be served from
+        the old weights), unless `reload` is False (names that are digests of their files)."""
         from openai import BadRequestError
 
+        def post(route: str) -> None:
+            self.client.post(route, body={"lora_name": name, **({"lora_path": path} if "unload" not in route else {})},
+                             cast_to=object)
+
         try:
-            self.client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": path}, cast_to=object)
-        except BadRequestError as err:
-            if "already" not in str(err).lower():  # vLLM refuses a name it already serves: that is success
-                raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err}") from err
+            try:
+                post("/load_lora_adapter")
+            except BadRequestError as err:
+                if "already" not in str(err).lower():  # vLLM refuses a name it already serves
+                    raise
+                if reload:
+                    post("/unload_lora_adapter")
+                    post("/load_lora_adapter")
         except Exception as err:  # the SDK's errors, after its retries
-            raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err}") from err
+            raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err} "
+                              f"({RUNTIME_LOADING})") from err
         if name not in self._adapters:
             self._adapters = sorted([*self._adapters, name])
         self._folders[name] = path
@@ -221,7 +235,9 @@ class OpenAIPolicy:
     @contextmanager
     def use_route(self, weights: Mapping[str, float]) -> Iterator[OpenAIPolicy]:
         """Serve `weights` ({adapter: α}) while inside: {} the base model, one adapter at α 1 by its name,
-        anything else the loaded adapters' `cat` adapter (written and loaded the first time)."""
+        anything else the loaded adapters' `cat` adapter (written and loaded the first time; it stays
+        registered on the server, which keeps the adapters it holds in memory in an LRU cache).
+        Changes which model this policy's later requests name: not for use from several threads."""
         from trace_lib.agent.adapters import merge_label, write_cat_adapter  # torch: only for merges
 
         active = {n: float(a) for n, a in weights.items() if float(a) != 0.0}
@@ -236,8 +252,8 @@ class OpenAIPolicy:
                 raise ValueError(f"a merge of {unknown} needs their folders: load them with load_adapter "
                                  f"(loaded from folders: {sorted(self._folders) or 'none'})")
             folder = write_cat_adapter({n: Path(self._folders[n]) for n in active}, active, self.route_dir)
-            if folder.name not in self._adapters:
-                self.load_adapter(folder.name, str(folder.resolve()))
+            if folder.name not in self._adapters:  # named by a digest of its files: never stale
+                self.load_adapter(folder.name, str(folder.resolve()), reload=False)
             self.set_adapter(folder.name)
             self._shown = merge_label(active)
         try:
@@ -270,7 +286,9 @@ class OpenAIPolicy:
                                   ) from err
             try:
                 top = response.choices[0].logprobs.content[0].top_logprobs
-                seen = {_token_text(t): float(t.logprob) for t in top}
+                seen: dict[str, float] = {}
+                for t in top:  # two tokens with the same text: the more probable one
+                    seen[_token_text(t)] = max(float(t.logprob), seen.get(_token_text(t), -math.inf))
             except (AttributeError, IndexError, TypeError, ValueError) as err:
                 raise ServerError(f"{self.base_url}: model {self.served_model!r} sent no top_logprobs for the "
                                   f"route ({type(err).__name__}: {err}); is it an OpenAI-compatible server?") from err

@@ -106,7 +106,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     process 0 writes every output."""
     rank, size = distributed.init()
     if params.train.processes > 1 and size == 1:
-        return launch_train(params, root)
+        return launch_train(params, root, progress)
     paths = Paths(root)
     model_dir = root / params.model.out_dir
     cfg = params.train
@@ -164,12 +164,14 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     return metrics
 
 
-def launch_train(params: Params, root: Path) -> dict[str, Any]:
+def launch_train(params: Params, root: Path, progress: bool = False) -> dict[str, Any]:
     """Run this stage on `train.processes` local processes (`python -m trace_lib.stages.train` under
-    `accelerate launch`); returns the metrics process 0 wrote. A failed launch raises with its output's tail."""
+    `accelerate launch`); their output is passed through as it comes. Returns the metrics process 0
+    wrote; a failed launch raises with the command and the end of its output."""
     import subprocess
     import sys
     import tempfile
+    from collections import deque
 
     from trace_lib.agent.serve import free_port
     from trace_lib.io import read_json
@@ -177,14 +179,19 @@ def launch_train(params: Params, root: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="trace-train-") as tmp:
         spec = Path(tmp) / "params.json"
         write_json(spec, params.model_dump(mode="json"))
-        cmd = distributed.launch_command(params.train.processes, ["-m", "trace_lib.stages.train", "--params",
-                                                                  str(spec), "--root", str(Path(root).resolve())],
-                                         port=free_port())
-        done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        sys.stderr.write(done.stderr[-20000:])
-    if done.returncode != 0:
-        raise RuntimeError(f"the train stage on {params.train.processes} processes failed (exit "
-                           f"{done.returncode}): {' '.join(cmd)}\n{done.stderr[-4000:]}")
+        target = ["-m", "trace_lib.stages.train", "--params", str(spec), "--root", str(Path(root).resolve()),
+                  *(["--progress"] if progress else [])]
+        cmd = distributed.launch_command(params.train.processes, target, port=free_port())
+        tail: deque[str] = deque(maxlen=60)
+        with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as proc:
+            for line in proc.stdout or []:
+                sys.stderr.write(line)
+                tail.append(line)
+        code = proc.returncode
+    if code != 0:
+        raise RuntimeError(f"the train stage on {params.train.processes} processes failed (exit {code}): "
+                           f"{' '.join(cmd)}\n{''.join(tail)}")
     return read_json(Paths(root).metrics("train"))
 
 
@@ -197,8 +204,9 @@ def _main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="trace's train stage, one process of a distributed launch")
     parser.add_argument("--params", required=True, help="the validated params, as JSON")
     parser.add_argument("--root", required=True)
+    parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
-    run_train(Params.model_validate(read_json(Path(args.params))), Path(args.root))
+    run_train(Params.model_validate(read_json(Path(args.params))), Path(args.root), progress=args.progress)
 
 
 if __name__ == "__main__":

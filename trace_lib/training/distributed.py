@@ -7,7 +7,8 @@ samples them there, and averages the advantages' inputs across processes itself.
 
 * `gather`: the per-episode summaries of all processes, so the efficiency reward's threshold, the rollout
   ledger and the train log see the whole iteration on every process (they stay identical);
-* `GradientSync`: the LoRA gradients averaged across processes before each optimizer step. The
+* `average_gradients`: the LoRA gradients averaged across processes before they are clipped and the
+  optimizer steps (`AgentGRPOTrainer._clip_grad_norm`, or `GradientSync` without clipping). The
   shared-prompt loss pass (`training/shared_prompt.py`) calls the model's modules directly, not the DDP
   wrapper's forward, so DDP's own all-reduce never runs; this does it explicitly (all-reduce of the
   trainable gradients, then divide by the number of processes), which is what DDP would compute;
@@ -68,28 +69,41 @@ def gather(items: list[Any]) -> list[Any]:
 
 
 def average_gradients(params: Iterable[Any]) -> int:
-    """All-reduce the gradients of `params` and divide by the number of processes; returns how many."""
+    """Average the gradients of the trainable `params` across processes (one all-reduce of them all,
+    flattened; a parameter without a gradient counts as zeros on that process). Returns how many."""
+    import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 0
-    size, n = dist.get_world_size(), 0
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return 0
     for p in params:
-        if p.requires_grad and p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad.div_(size)
-            n += 1
-    return n
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat.div_(dist.get_world_size())
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+    return len(params)
 
 
 class GradientSync(TrainerCallback):
-    """Average the trainable gradients across processes before each optimizer step (module docstring)."""
+    """Average the trainable gradients across processes before each optimizer step (module docstring)
+    when no gradient clipping runs; with clipping `AgentGRPOTrainer._clip_grad_norm` averages first, so
+    the norm clipped is the whole batch's, as with DDP."""
 
     def __init__(self, model: Any) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        average_gradients(self.params)
+        if args.max_grad_norm is None or args.max_grad_norm <= 0:
+            average_gradients(self.params)
 
 
 def private_copy(path: Any, rank: int) -> Any:

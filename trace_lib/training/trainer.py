@@ -221,6 +221,11 @@ class AgentGRPOTrainer(GRPOTrainer):
         # every row masked (kept for the other processes): the shared-prompt pass scored nothing
         return loss if return_outputs or loss.requires_grad else loss + zero
 
+    def _clip_grad_norm(self, model):
+        # several processes: average the gradients first, so the norm clipped is the whole batch's (as DDP)
+        distributed.average_gradients(model.parameters())
+        return super()._clip_grad_norm(model)
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
         # every log-prob pass (loss, old and reference log-probs) runs at the full thread count: sampling may
@@ -363,8 +368,11 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     if ckpt_root.resolve().is_relative_to(out_dir.resolve()):
         raise ValueError(f"the checkpoints {ckpt_root} must live outside out_dir {out_dir} (out_dir is replaced whole)")
     fingerprint = _fingerprint(cfg, sources, seed, env_sha256, resume_key)
-    ckpt, state = _resume_state(ckpt_root, fingerprint, delete=rank == 0)
+    if rank == 0:  # process 0 decides (and deletes a stale folder) before the others read
+        ckpt, state = _resume_state(ckpt_root, fingerprint)
     distributed.barrier()
+    if rank > 0:
+        ckpt, state = _resume_state(ckpt_root, fingerprint, delete=False)
     dropped = ledger.reset(STAGE, name, state["ledger"])
     if dropped > 0:
         warnings.warn(f"{ledger.path}: dropped {dropped} rollouts of {name!r} logged after the checkpoint resumed "
