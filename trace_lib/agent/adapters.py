@@ -19,6 +19,16 @@ from typing import Any
 import torch
 
 
+def active_weights(weights: Mapping[str, float]) -> dict[str, float]:
+    """The adapters a route actually uses: nonzero weights as floats, in the given order."""
+    return {n: float(a) for n, a in weights.items() if float(a) != 0.0}
+
+
+def sole_adapter(weights: Mapping[str, float]) -> str | None:
+    """The adapter's name when the (active) `weights` are one adapter at α = 1; None otherwise."""
+    return next(iter(weights)) if len(weights) == 1 and next(iter(weights.values())) == 1.0 else None
+
+
 def merge_label(weights: Mapping[str, float]) -> str:
     """A stable name for a weighted merge, e.g. 'merge[a=0.6,b=0.25]' (6 significant digits)."""
     return "merge[" + ",".join(f"{n}={float(w):.6g}" for n, w in sorted(weights.items())) + "]"
@@ -66,7 +76,7 @@ def cat_adapter(folders: Mapping[str, Path], weights: Mapping[str, float]
     by side; rank Σ r_c, lora_alpha Σ r_c, so its scaling is 1. Done on the files rather than with
     PEFT so that no base weights are loaded: a server may hold a model the evaluating machine cannot.
     `tests/test_compose.py` checks the tensors equal PEFT's `cat` adapter's."""
-    active = {n: float(a) for n, a in weights.items() if float(a) != 0.0}
+    active = active_weights(weights)
     missing = sorted(set(active) - set(folders))
     if missing or not active:
         raise ValueError(f"no adapter folder for {missing}" if missing else "a merge needs a nonzero weight")
@@ -98,9 +108,9 @@ def cat_adapter(folders: Mapping[str, Path], weights: Mapping[str, float]
 
 def adapter_digest(folders: Mapping[str, Path], weights: Mapping[str, float]) -> str:
     """A name for the concatenated adapter of `weights`: the weights and each adapter's file bytes, hashed."""
-    h = hashlib.sha256(json.dumps({n: repr(float(a)) for n, a in weights.items() if float(a) != 0.0},
-                                  sort_keys=True).encode())
-    for name in sorted(n for n, a in weights.items() if float(a) != 0.0):
+    active = active_weights(weights)
+    h = hashlib.sha256(json.dumps({n: repr(a) for n, a in active.items()}, sort_keys=True).encode())
+    for name in sorted(active):
         for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
             h.update(hashlib.sha256((Path(folders[name]) / file).read_bytes()).digest())
     return "route-" + h.hexdigest()[:16]

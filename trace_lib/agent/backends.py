@@ -14,6 +14,13 @@ from typing import Any
 from trace_lib.config import Params
 
 
+def check_model_dir(params: Params, model_dir: Path) -> None:
+    """Fail before any work when trace's engine is to run and the prepared model folder is missing."""
+    if params.policy.backend == "embedded" and not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
+                                "(dvc repro prepare_model)")
+
+
 def open_policy(params: Params, model_dir: Path, adapters: Mapping[str, str | Path] | None = None,
                 *, threads: int = 0) -> Any:
     """The policy with `adapters` ({name: adapter folder}) loaded, the base model active.
@@ -31,8 +38,6 @@ def open_policy(params: Params, model_dir: Path, adapters: Mapping[str, str | Pa
         return policy
     from trace_lib.agent.policy import load_policy  # heavy import (torch), kept out of module import time
 
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
-                                "(dvc repro prepare_model)")
+    check_model_dir(params, model_dir)
     return load_policy(model_dir, dtype=params.model.dtype, device=params.model.device, threads=threads,
                        adapters={n: str(p) for n, p in adapters.items()} if adapters else None)

@@ -212,19 +212,16 @@ class OpenAIPolicy:
         the old weights), unless `reload` is False (names that are digests of their files)."""
         from openai import BadRequestError
 
-        def post(route: str) -> None:
-            self.client.post(route, body={"lora_name": name, **({"lora_path": path} if "unload" not in route else {})},
-                             cast_to=object)
-
+        load, unload = {"lora_name": name, "lora_path": path}, {"lora_name": name}
         try:
             try:
-                post("/load_lora_adapter")
+                self.client.post("/load_lora_adapter", body=load, cast_to=object)
             except BadRequestError as err:
                 if "already" not in str(err).lower():  # vLLM refuses a name it already serves
                     raise
                 if reload:
-                    post("/unload_lora_adapter")
-                    post("/load_lora_adapter")
+                    self.client.post("/unload_lora_adapter", body=unload, cast_to=object)
+                    self.client.post("/load_lora_adapter", body=load, cast_to=object)
         except Exception as err:  # the SDK's errors, after its retries
             raise ServerError(f"{self.base_url}: loading adapter {name!r} from {path} failed: {err} "
                               f"({RUNTIME_LOADING})") from err
@@ -238,14 +235,12 @@ class OpenAIPolicy:
         anything else the loaded adapters' `cat` adapter (written and loaded the first time; it stays
         registered on the server, which keeps the adapters it holds in memory in an LRU cache).
         Changes which model this policy's later requests name: not for use from several threads."""
-        from trace_lib.agent.adapters import merge_label, write_cat_adapter  # torch: only for merges
+        from trace_lib.agent.adapters import active_weights, merge_label, sole_adapter, write_cat_adapter
 
-        active = {n: float(a) for n, a in weights.items() if float(a) != 0.0}
+        active = active_weights(weights)
         prev, prev_shown = self.adapter, self._shown
-        if not active:
-            self.set_adapter(None)
-        elif len(active) == 1 and next(iter(active.values())) == 1.0:
-            self.set_adapter(next(iter(active)))
+        if not active or sole_adapter(active):
+            self.set_adapter(sole_adapter(active))
         else:
             unknown = sorted(set(active) - set(self._folders))
             if unknown:
@@ -288,7 +283,8 @@ class OpenAIPolicy:
                 top = response.choices[0].logprobs.content[0].top_logprobs
                 seen: dict[str, float] = {}
                 for t in top:  # two tokens with the same text: the more probable one
-                    seen[_token_text(t)] = max(float(t.logprob), seen.get(_token_text(t), -math.inf))
+                    text = _token_text(t)
+                    seen[text] = max(float(t.logprob), seen.get(text, -math.inf))
             except (AttributeError, IndexError, TypeError, ValueError) as err:
                 raise ServerError(f"{self.base_url}: model {self.served_model!r} sent no top_logprobs for the "
                                   f"route ({type(err).__name__}: {err}); is it an OpenAI-compatible server?") from err

@@ -23,7 +23,8 @@ from trace_lib.config import EnvConfig, EvaluateConfig, RolloutConfig
 from trace_lib.envs import load_tasks, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.records import RouterName, Task, Trajectory
-from trace_lib.routing.compose import apply_route, merge_label
+from trace_lib.agent.adapters import active_weights, merge_label, sole_adapter
+from trace_lib.routing.compose import apply_route
 from trace_lib.routing.route import (
     RetrievalIndex,
     RouteCandidate,
@@ -69,7 +70,7 @@ Routing = None | str | Mapping[str, Any] | Sequence[RouteDecision]
 
 
 def _clean(weights: Mapping[str, float]) -> dict[str, float]:
-    return {n: float(a) for n, a in sorted(weights.items()) if float(a) != 0.0}
+    return active_weights(dict(sorted(weights.items())))
 
 
 def route_groups(tasks: Sequence[Task], routing: Routing) -> list[tuple[dict[str, float], list[Task]]]:
@@ -97,9 +98,7 @@ def weights_label(weights: Mapping[str, float]) -> str | None:
     """The `adapter` a trajectory records: None (base), the adapter's name, or `merge_label`."""
     if not weights:
         return None
-    if len(weights) == 1 and next(iter(weights.values())) == 1.0:
-        return next(iter(weights))
-    return merge_label(weights)
+    return sole_adapter(weights) or merge_label(weights)
 
 
 EpisodeMemo = dict[tuple, list[Trajectory]]

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trace_lib.agent.adapters import merge_label
+from trace_lib.agent.adapters import active_weights, merge_label, sole_adapter
 
 __all__ = ["apply_route", "is_merged", "merge_label", "merged_adapters", "use_adapter", "use_weights"]
 
@@ -153,17 +153,13 @@ def apply_route(policy: Any, route: Any) -> Iterator[Any]:
     Empty -> base model; one adapter at α = 1 -> that adapter (PEFT path); otherwise a merge. A served
     policy (`agent.remote.OpenAIPolicy`) serves the route itself (`use_route`: a merge is one `cat` adapter).
     """
-    weights = dict(getattr(route, "weights", route))
-    weights = {n: a for n, a in weights.items() if a != 0.0}
+    weights = active_weights(dict(getattr(route, "weights", route)))
     if hasattr(policy, "use_route"):
         with policy.use_route(weights):
             yield policy
         return
-    if not weights:
-        with use_adapter(policy, None):
-            yield policy
-    elif len(weights) == 1 and next(iter(weights.values())) == 1.0:
-        with use_adapter(policy, next(iter(weights))):
+    if not weights or sole_adapter(weights):
+        with use_adapter(policy, sole_adapter(weights)):
             yield policy
     else:
         with use_weights(policy, weights):

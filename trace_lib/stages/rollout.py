@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.backends import open_policy
+from trace_lib.agent.backends import check_model_dir, open_policy
 from trace_lib.agent.model import numerics
 from trace_lib.agent.rollout import collect_rollouts, summarize
 from trace_lib.config import Params
@@ -26,9 +26,7 @@ from trace_lib.paths import Paths
 def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
     """The whole stage: write the tasks, load the policy, roll out, write trajectories and metrics."""
     model_dir = Path(params.model.out_dir)
-    if params.policy.backend == "embedded" and not model_dir.is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} not found: run the prepare_model stage first "
-                                "(dvc repro prepare_model)")
+    check_model_dir(params, model_dir)  # before any file is written
     paths = Paths(root)
     by_split = {s: make_tasks(params.env, s)
                 for s in sorted({params.rollout.split, task_split(params.env.name, params.evaluate.split)})}

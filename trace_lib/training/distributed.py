@@ -8,7 +8,7 @@ samples them there, and averages the advantages' inputs across processes itself.
 * `gather`: the per-episode summaries of all processes, so the efficiency reward's threshold, the rollout
   ledger and the train log see the whole iteration on every process (they stay identical);
 * `average_gradients`: the LoRA gradients averaged across processes before they are clipped and the
-  optimizer steps (`AgentGRPOTrainer._clip_grad_norm`, or `GradientSync` without clipping). The
+  optimizer steps (`AgentGRPOTrainer._clip_grad_norm`; the trainer always clips). The
   shared-prompt loss pass (`training/shared_prompt.py`) calls the model's modules directly, not the DDP
   wrapper's forward, so DDP's own all-reduce never runs; this does it explicitly (all-reduce of the
   trainable gradients, then divide by the number of processes), which is what DDP would compute;
@@ -22,9 +22,8 @@ import os
 import shutil
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
-
-from transformers import TrainerCallback
 
 
 def world() -> tuple[int, int]:
@@ -93,23 +92,8 @@ def average_gradients(params: Iterable[Any]) -> int:
     return len(params)
 
 
-class GradientSync(TrainerCallback):
-    """Average the trainable gradients across processes before each optimizer step (module docstring)
-    when no gradient clipping runs; with clipping `AgentGRPOTrainer._clip_grad_norm` averages first, so
-    the norm clipped is the whole batch's, as with DDP."""
-
-    def __init__(self, model: Any) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if args.max_grad_norm is None or args.max_grad_norm <= 0:
-            average_gradients(self.params)
-
-
-def private_copy(path: Any, rank: int) -> Any:
+def private_copy(path: str | Path, rank: int) -> Path:
     """`path` copied for process `rank` (> 0) to `<path>.rank<rank>`, which it then appends to alone."""
-    from pathlib import Path
-
     path = Path(path)
     mine = path.with_name(f"{path.name}.rank{rank}")
     if path.exists():

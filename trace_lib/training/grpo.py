@@ -295,15 +295,15 @@ class AgentRollout:
             ep.rubric = info.get("rubric")
             ep.success = ep.env_reward >= 1.0
             ep.reward = float(self.reward.score(ep.env_reward, ep.success, ep.tool_calls))
-        masks, zero_groups = self._masks(episodes)
+        masks, dropped = self._masks(episodes)
         # with several training processes (training/distributed.py) every process sees the whole iteration
         # here, so the ledger, the efficiency threshold and the log stay the same on each
-        done = distributed.gather([_summary(ep, sum(mask)) for ep, mask in zip(episodes, masks, strict=True)])
-        groups = distributed.gather([(zero_groups, len(episodes) // self.cfg.group_size)])  # per process
+        done = distributed.gather([_summary(ep, sum(mask), drop)
+                                   for ep, mask, drop in zip(episodes, masks, dropped, strict=True)])
         self.on_rollouts(len(done))
         epoch = self.reward.end_epoch([d["tool_calls"] for d in done if d["success"]])
         self.last = episodes
-        self.stats[iteration] = {**iteration_stats(done, sum(z for z, _ in groups), sum(g for _, g in groups)),
+        self.stats[iteration] = {**iteration_stats(done),
                                  "tool_calls_correct": epoch["tool_calls_correct"], "l_t": epoch["l_t"],
                                  "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0}}
         rewards = [ep.reward for ep in episodes]
@@ -344,32 +344,31 @@ class AgentRollout:
                                           hint=hints.get(key) if sample in guided else None))
         return episodes
 
-    def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], int]:
-        """Each episode's loss mask, and how many groups were dropped (identical rewards)."""
+    def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], list[bool]]:
+        """Each episode's loss mask, and whether its group was dropped (identical rewards)."""
         masks = [loss_mask(ep, self.cfg.filter_lookup_only) for ep in episodes]
+        dropped = [False] * len(episodes)
         k = self.cfg.group_size
         if len(episodes) % k:
             raise ValueError(f"{len(episodes)} rollouts are not whole groups of {k}")
-        zero = 0
         for g in range(0, len(episodes), k):
             rewards = [ep.reward for ep in episodes[g:g + k]]
             if max(rewards) - min(rewards) <= 1e-9:  # no learning signal: drop the group
-                zero += 1
                 for i in range(g, g + k):
                     masks[i] = [0] * len(masks[i])
-        return masks, zero
+                    dropped[i] = True
+        return masks, dropped
 
 
-def _summary(ep: Episode, trained_tokens: int) -> dict[str, Any]:
+def _summary(ep: Episode, trained_tokens: int, group_dropped: bool) -> dict[str, Any]:
     """What the iteration's statistics need of one scored episode (picklable, for `distributed.gather`)."""
     return {"reward": ep.reward, "success": ep.success, "hinted": ep.hinted, "env_reward": ep.env_reward,
             "rubric": ep.rubric, "tool_calls": ep.tool_calls, "agent_tokens": ep.agent_tokens,
-            "trained_tokens": trained_tokens}
+            "trained_tokens": trained_tokens, "group_dropped": group_dropped}
 
 
-def iteration_stats(done: Sequence[dict[str, Any]], zero_groups: int, groups: int) -> dict[str, Any]:
-    """The train log's statistics of one iteration from its episodes' `_summary` rows (all processes) and
-    how many of its groups were dropped for identical rewards."""
+def iteration_stats(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The train log's statistics of one iteration from its episodes' `_summary` rows (all processes)."""
     n = len(done)
     rewards = [d["reward"] for d in done]
     mean = sum(rewards) / n
@@ -382,7 +381,8 @@ def iteration_stats(done: Sequence[dict[str, Any]], zero_groups: int, groups: in
         "hinted": len(guided),
         "success_rate_unhinted": sum(d["success"] for d in unguided) / len(unguided) if unguided else None,
         "success_rate_hinted": sum(d["success"] for d in guided) / len(guided) if guided else None,
-        "frac_reward_zero_std": zero_groups / groups,
+        # share of groups dropped: every group has K episodes, so the share of episodes in one
+        "frac_reward_zero_std": sum(d["group_dropped"] for d in done) / n,
         "env_score": sum(d["env_reward"] for d in done) / n,
         "rubric": item_means([d["rubric"] for d in done]) or None,
         "tool_calls": sum(d["tool_calls"] for d in done) / n,

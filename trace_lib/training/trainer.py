@@ -209,9 +209,12 @@ class AgentGRPOTrainer(GRPOTrainer):
         # With several processes every row stays: TRL's loss gathers per-row values across processes,
         # which needs the same rows on each (and every process must run the pass).
         kept = inputs if distributed.world()[1] > 1 else drop_masked_rows(inputs)
-        zero = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0  # connected, for backward()
+
+        def zero():  # a zero loss still connected to the trainable weights, for backward()
+            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+
         if kept is None:
-            return zero
+            return zero()
         mask = kept["completion_mask"]
         self._score_mask = mask * kept["tool_mask"] if "tool_mask" in kept else mask
         try:
@@ -219,7 +222,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         finally:
             self._score_mask = None
         # every row masked (kept for the other processes): the shared-prompt pass scored nothing
-        return loss if return_outputs or loss.requires_grad else loss + zero
+        return loss if return_outputs or loss.requires_grad else loss + zero()
 
     def _clip_grad_norm(self, model):
         # several processes: average the gradients first, so the norm clipped is the whole batch's (as DDP)
@@ -471,6 +474,7 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         beta=cfg.beta, epsilon=cfg.epsilon, temperature=cfg.temperature, loss_type="dapo", scale_rewards="group",
         logging_steps=1, save_strategy="steps", save_steps=cfg.save_every, save_total_limit=2,
+        max_grad_norm=1.0,  # TRL's default, stated: with several processes `_clip_grad_norm` averages the gradients
         report_to="none", disable_tqdm=not progress, bf16=torch.cuda.is_available(),
         # Multi-turn episodes are long (SmolLM2 on retail: ~1.8k prompt + ~1k completion tokens); without
         # checkpointing 4 of them took more than 24 GB on CPU (fp32, prompt per row). The shared-prompt
@@ -483,8 +487,6 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
     trainer = AgentGRPOTrainer(model=policy.model, reward_funcs=[trajectory_reward], args=args,
                                train_dataset=train_dataset(sources, cfg, seed), processing_class=tok,
                                rollout_func=rollout, callbacks=[callback])
-    if processes > 1:
-        trainer.add_callback(distributed.GradientSync(policy.model))
     trainer.shared_prompt = cfg.shared_prompt
     if not progress:  # with tqdm off, HF prints every log dict instead; our log is train_log.jsonl
         trainer.remove_callback(PrinterCallback)
