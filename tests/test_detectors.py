@@ -76,7 +76,10 @@ def test_good_trajectory_is_present_everywhere_it_is_relevant():
     assert got == {"tool_call_precision": "PRESENT", "structured_data_reasoning": "PRESENT",
                    "identity_verification": "PRESENT", "precondition_verification": "PRESENT",
                    "confirmation_before_write": "PRESENT", "communicate_result": "PRESENT",
-                   "multi_step_completion": "PRESENT", "adversarial_policy_compliance": "NA"}
+                   "multi_step_completion": "PRESENT", "adversarial_policy_compliance": "NA",
+                   # the phone's capabilities are not at stake on a retail task
+                   "state_dependency_resolution": "NA", "missing_information_handling": "NA",
+                   "argument_canonicalization": "NA"}
 
 
 # --- tool_call_precision ----------------------------------------------------------------------------

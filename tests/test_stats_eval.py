@@ -105,6 +105,23 @@ def test_rate_row_and_groups_from_records():
     assert empty["n"] == 0 and empty["mean_tool_calls"] is None and (empty["ci_low"], empty["ci_high"]) == (0, 1)
 
 
+def test_graded_rewards_get_a_mean_reward_with_an_interval_and_a_table1_column():
+    from trace_lib.evaluation.tables import MethodRun, summarize_runs, table1
+
+    graded = [traj("a", True), traj("b", False).model_copy(update={"reward": 0.5}),
+              traj("b", False, sample=1).model_copy(update={"reward": 0.25}), traj("c", False)]
+    row = rate_row(graded, n_boot=500)
+    assert row["mean_reward"] == pytest.approx((1 + 0.375 + 0) / 3)  # per task first, samples averaged
+    assert row["reward_ci_low"] <= row["mean_reward"] <= row["reward_ci_high"]
+    binary = [MethodRun("base", "base", "base", [traj("a", True), traj("b", False)])]
+    summarize_runs(binary, n_boot=100)
+    assert "mean reward" not in table1(binary, ["f"], 0).columns
+    runs = [MethodRun("base", "base", "base", graded)]
+    summarize_runs(runs, n_boot=100)
+    cell = table1(runs, ["f"], 0).loc[0, "mean reward"]
+    assert cell.startswith(f"{row['mean_reward']:.3f} [")
+
+
 def test_samples_are_averaged_per_task_and_aligned():
     a = [traj("t1", True, 0), traj("t1", False, 1), traj("t2", True, 0), traj("t2", True, 1), traj("t3", False, 0)]
     b = [traj("t1", False, 0), traj("t1", False, 1), traj("t2", True, 0), traj("t2", False, 1)]

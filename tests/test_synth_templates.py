@@ -31,7 +31,7 @@ from trace_lib.synth.templates import (
 )
 
 TARGETS = [{"name": "retail", "tools": "core"}, {"name": "tau2-retail"}]
-CAPS = list(CAPABILITY_TAGS)
+CAPS = template_capabilities()
 SEEDS = range(8)
 LEVELS = range(DIFFICULTY["min"], DIFFICULTY["max"] + 1)
 CASES = [(cap, t) for cap in CAPS for t in TARGETS]

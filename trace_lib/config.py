@@ -79,7 +79,8 @@ class EnvConfig(Section):
     """The target environment and its task set."""
 
     name: str = "retail"
-    """'retail' (built-in procedural families over τ²-bench retail tools), 'tau2-retail', 'tau2-airline'."""
+    """'retail' (built-in procedural families over τ²-bench retail tools), 'phone' (built-in ToolSandbox-style
+    phone scenarios, milestone scoring), 'tau2-retail', 'tau2-airline'."""
     families: list[str] = Field(default_factory=list)
     """Task families to generate (empty: all of the environment's families)."""
     tasks_per_family: int = Field(8, ge=1)
@@ -96,11 +97,11 @@ class EnvConfig(Section):
     tools: Literal["core", "all"] = "core"
     """Built-in env: 'core' exposes the retail tools its families need, 'all' every τ²-bench retail tool."""
     user: Literal["scripted", "llm"] = "scripted"
-    """User simulator: deterministic script, or an LLM through the analyst backend (τ² envs)."""
+    """User simulator: deterministic script, or an LLM through the analyst backend (τ² envs and phone)."""
     user_model: str = "claude-sonnet-4-5"
-    """τ² envs with `user: llm`: the Claude model that plays the customer (anthropic backend)."""
+    """`user: llm`: the Claude model that plays the customer (anthropic backend)."""
     user_cache_dir: str = "data/user_cache"
-    """τ² envs with `user: llm`: replies cached by request hash (plus ledger.jsonl); persistent."""
+    """`user: llm`: replies cached by request hash (plus ledger.jsonl); persistent."""
     tool_timeout_s: float = Field(5.0, gt=0)
     """Wall time one tool call may take (built-in and τ² tools run in a forked copy that is stopped
     after it); a call that takes longer is a tool error. Synthesized envs use `synthesize`'s limits."""

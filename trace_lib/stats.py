@@ -151,15 +151,22 @@ def compare(method: Sequence[Trajectory], base: Sequence[Trajectory], n_boot: in
 
 def rate_row(trajs: Sequence[Trajectory], n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> dict[str, Any]:
     """One cell's numbers: episodes, tasks, successes, rate, bootstrap CI (over tasks), Wilson CI
-    (over episodes), mean tool calls, invalid-action rate (invalid turns / agent turns)."""
+    (over episodes), mean reward with its bootstrap CI (over tasks; the phone's mean milestone
+    similarity), mean tool calls, invalid-action rate (invalid turns / agent turns)."""
     outcomes = list(task_outcomes(trajs).values())
     k, n = sum(t.success for t in trajs), len(trajs)
     lo, hi = bootstrap_ci(outcomes, n_boot, level, seed)
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        by_task[t.task_id].append(t.reward)
+    rewards = [sum(v) / len(v) for _, v in sorted(by_task.items())]
+    r_lo, r_hi = bootstrap_ci(rewards, n_boot, level, seed)
     w_lo, w_hi = wilson_interval(k, n)
     turns = sum(t.turns for t in trajs)
     return {
         "n": n, "tasks": len(outcomes), "successes": int(k), "success_rate": k / n if n else 0.0,
         "ci_low": lo, "ci_high": hi, "wilson_low": w_lo, "wilson_high": w_hi,
+        "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0, "reward_ci_low": r_lo, "reward_ci_high": r_hi,
         "mean_tool_calls": sum(t.tool_calls for t in trajs) / n if n else None,
         "invalid_action_rate": sum(t.invalid_actions for t in trajs) / turns if turns else None,
     }

@@ -333,6 +333,74 @@ class Detector:
     detect: Callable[[Trajectory, dict[str, str], Task | None], Verdict]
 
 
+# Errors that say the world's state blocks the call (a setting off, a mode on), as the phone's tools word them.
+_BLOCKED = re.compile(r"\b(?:cellular|wifi|location service) is off\b|while low battery mode is on", re.IGNORECASE)
+_NOT_CANONICAL = re.compile(r"unknown unit|unknown currency|ISO 8601", re.IGNORECASE)
+_CANONICAL_KEYS = ("phone_number", "reminder_timestamp", "from_unit", "to_unit", "from_currency", "to_currency",
+                   "amount")
+
+
+def _categories(task: Task | None) -> list[str]:
+    return list(task.meta.get("categories", [])) if task is not None else []
+
+
+def state_dependency_resolution(traj: Trajectory, kinds: dict[str, str], task: Task | None) -> Verdict:
+    events = call_events(traj)
+    blocked = [e for e in events if e.observation is not None and e.observation.error
+               and _BLOCKED.search(e.observation.content)]
+    if not blocked:
+        return "NA", "no call failed for the state of the world"
+    for e in blocked:
+        if not any(later.ok and later.call.name == e.call.name for later in events if later.turn > e.turn):
+            return "LACKING", f"{e.call.name} was blocked ({_clip(e.observation.content, 60)}) and never succeeded"
+    return "PRESENT", f"resolved {len(blocked)} blocked call(s) and retried them"
+
+
+def argument_canonicalization(traj: Trajectory, kinds: dict[str, str], task: Task | None) -> Verdict:
+    if "canonicalization" not in _categories(task):
+        return "NA", "the task needs no canonical form (or no task given)"
+    assert task is not None
+    events = call_events(traj)
+    refused = next((e for e in events if e.observation is not None and e.observation.error
+                    and _NOT_CANONICAL.search(e.observation.content)), None)
+    if refused is not None:
+        why = _clip(refused.observation.content, 60)
+        return "LACKING", f"{refused.call.name} refused a non-canonical value ({why})"
+    checked = 0
+    for gold in task.gold_actions:
+        want = {k: _norm(v) for k, v in gold.arguments.items() if k in _CANONICAL_KEYS}
+        if not want:
+            continue
+        calls = [e.call for e in events if e.call.name == gold.name]
+        if not calls:
+            continue
+        checked += 1
+        if not any(all(_norm(c.arguments.get(k)) == v for k, v in want.items()) for c in calls):
+            got = {k: calls[-1].arguments.get(k) for k in want}
+            return "LACKING", f"{gold.name} got {_clip(json.dumps(got, default=str), 60)}, not the canonical values"
+    if not checked:
+        return "NA", "no call of a tool whose arguments need canonical values"
+    return "PRESENT", f"canonical arguments in {checked} call(s)"
+
+
+def missing_information_handling(traj: Trajectory, kinds: dict[str, str], task: Task | None) -> Verdict:
+    cats = _categories(task)
+    writes = [e for e in call_events(traj) if e.ok and _kind(e.call.name, kinds) == "write"]
+    if "insufficient_information" in cats:
+        if writes:
+            return "LACKING", f"acted on a request that cannot be done ({writes[0].call.name})"
+        return "PRESENT", "did not act on a request that cannot be done"
+    if "multiple_user_turn" not in cats:
+        return "NA", "the request leaves nothing out (or no task given)"
+    asked = [i for i, text in _agent_texts(traj) if "?" in text]
+    first_write = writes[0].turn if writes else None
+    if asked and (first_write is None or asked[0] < first_write):
+        return "PRESENT", "asked the user for the missing details before acting"
+    if first_write is not None:
+        return "LACKING", f"{writes[0].call.name} before asking the user for the missing details"
+    return "LACKING", "never asked the user for the missing details"
+
+
 _DETECT: dict[str, Callable[[Trajectory, dict[str, str], Task | None], Verdict]] = {
     "tool_call_precision": tool_call_precision,
     "structured_data_reasoning": structured_data_reasoning,
@@ -342,6 +410,9 @@ _DETECT: dict[str, Callable[[Trajectory, dict[str, str], Task | None], Verdict]]
     "communicate_result": communicate_result,
     "multi_step_completion": multi_step_completion,
     "adversarial_policy_compliance": adversarial_policy_compliance,
+    "state_dependency_resolution": state_dependency_resolution,
+    "missing_information_handling": missing_information_handling,
+    "argument_canonicalization": argument_canonicalization,
 }
 
 DETECTORS: dict[str, Detector] = {c.id: Detector(c.id, c.name, c.description, c.recognition, _DETECT[c.id])

@@ -17,6 +17,7 @@ from trace_lib.paths import Paths
 from trace_lib.records import Task
 
 _MODULES = {
+    "phone": "trace_lib.envs.phone",
     "retail": "trace_lib.envs.retail",
     "tau2-retail": "trace_lib.envs.tau2",
     "tau2-airline": "trace_lib.envs.tau2",

@@ -263,7 +263,7 @@ class LLMUser:
 
 
 @lru_cache(maxsize=None)
-def _llm_client(model: str, cache_dir: str):
+def cached_llm_client(model: str, cache_dir: str):
     from trace_lib.analyst.llm import LLMClient
 
     # One client per process and cache folder: its token ledger is rewritten whole on every call.
@@ -273,7 +273,7 @@ def _llm_client(model: str, cache_dir: str):
 def llm_user_factory(cfg: EnvConfig) -> Callable[[Task], LLMUser]:
     """τ²'s LLM user on Claude (`cfg.user_model`) through trace_lib.analyst.llm, replies cached under
     `cfg.user_cache_dir`; the key is read by the SDK from ANTHROPIC_API_KEY only on a cache miss."""
-    client = _llm_client(cfg.user_model, cfg.user_cache_dir)
+    client = cached_llm_client(cfg.user_model, cfg.user_cache_dir)
 
     def make(task: Task) -> LLMUser:
         raw = task.meta.get("tau2_task")

@@ -44,6 +44,12 @@ FIELD_KEYWORDS: dict[str, tuple[str, ...]] = {
     "payment": ("payment", "card", "paypal", "refund to", "pay with"),
     "reason": ("reason", "why"),
     "phone": ("phone", "number to reach"),
+    # the phone environment's fields (trace_lib.envs.phone)
+    "recipient": ("who", "whom", "recipient", "which contact", "send it to", "send the message to"),
+    "message": ("what should", "what would you like", "message say", "content", "what message", "the message",
+                "text say", "what do you want"),
+    "reminder": ("remind", "reminder about", "what would you like"),
+    "time": ("when", "what time", "which time", "date"),
 }
 """Keywords per field family; a `known_info` key uses every family whose name it contains."""
 

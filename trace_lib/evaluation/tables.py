@@ -118,10 +118,25 @@ def groups_of(tasks: Sequence[Task]) -> list[str]:
 
 
 # --- tables ------------------------------------------------------------------------------------------
-def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int) -> pd.DataFrame:
+def graded(runs: Sequence[MethodRun]) -> bool:
+    """Whether any episode scored between 0 and 1 (the phone's milestone similarity): Table 1 then also
+    shows the mean reward, as ToolSandbox reports mean similarity beside the perfect count."""
+    return any(0.0 < t.reward < 1.0 for r in runs if r.ran for t in r.trajectories or [])
+
+
+def reward_cell(row: dict[str, Any] | None) -> str:
+    if not row or not row.get("n") or "mean_reward" not in row:
+        return EMPTY
+    return f"{row['mean_reward']:.3f} [{row['reward_ci_low']:.3f}, {row['reward_ci_high']:.3f}]"
+
+
+def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int,
+           mean_reward: bool | None = None) -> pd.DataFrame:
     """Paper Table 1's shape: one row per method, one column per family/domain and overall (success %,
-    95% CI), rollouts spent, that budget relative to TRACE's, and a note ('not run: why')."""
+    95% CI), the mean reward with its 95% CI when `mean_reward` (None: when some episode's reward is
+    graded, `graded`), rollouts spent, that budget relative to TRACE's, and a note ('not run: why')."""
     rows = []
+    extra = ["mean reward"] if (graded(runs) if mean_reward is None else mean_reward) else []
     for r in ordered_rows(runs):
         cells: dict[str, Any] = {"method": r.label}
         for g in [*groups, "overall"]:
@@ -129,23 +144,26 @@ def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int) -
                 cells[g] = "not run"
             else:
                 cells[g] = pct_cell(r.summary["overall"] if g == "overall" else r.summary["groups"].get(g))
+        if extra:
+            cells["mean reward"] = reward_cell(r.summary["overall"]) if r.ran else "not run"
         cells["rollouts"], cells["budget vs TRACE"] = budget_cells(r, trace_total)
         cells["note"] = f"not run: {r.reason}" if not r.ran else r.note or (
             "rollouts from the adapter manifest (no ledger found)" if r.budget_source == "manifest" else "")
         rows.append(cells)
-    return pd.DataFrame(rows, columns=["method", *groups, "overall", "rollouts", "budget vs TRACE", "note"])
+    return pd.DataFrame(rows, columns=["method", *groups, "overall", *extra, "rollouts", "budget vs TRACE", "note"])
 
 
 def table1_long(runs: Sequence[MethodRun], groups: Sequence[str]) -> pd.DataFrame:
     """Table 1 as numbers (the CSV): one row per method x column."""
-    cols = ["method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high", "rollouts",
-            "reason"]
+    cols = ["method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high", "mean_reward",
+            "reward_ci_low", "reward_ci_high", "rollouts", "reason"]
     rows = []
     for r in ordered_rows(runs):
         for g in [*groups, "overall"]:
             cell = (r.summary["overall"] if g == "overall" else r.summary["groups"].get(g)) if r.ran else None
             rows.append({"method": r.label, "key": r.key, "column": g, "status": "run" if r.ran else "not run",
-                         **{k: (cell or {}).get(k) for k in ("n", "successes", "success_rate", "ci_low", "ci_high")},
+                         **{k: (cell or {}).get(k) for k in ("n", "successes", "success_rate", "ci_low", "ci_high",
+                                                             "mean_reward", "reward_ci_low", "reward_ci_high")},
                          "rollouts": r.budget, "reason": r.reason})
     return pd.DataFrame(rows, columns=cols)
 

@@ -284,11 +284,16 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
         write_jsonl(paths.route_decisions(key), ds)
     write_jsonl(paths.eval_results, eval_results(runs, ",".join(env_names), cfg.split))
 
-    t1 = table1(runs, groups, trace_total)
+    graded_envs = [e.name for e, _ in targets if make_env(e).graded]
+    t1 = table1(runs, groups, trace_total, mean_reward=bool(graded_envs) or None)
     caption = (f"Success rate (%) on {', '.join(env_names)} ({cfg.split} split, {len(tasks)} tasks, "
                f"{cfg.samples_per_task} episode(s) per task, temperature {cfg.temperature:g}) with "
                f"{cfg.ci_level:.0%} bootstrap intervals over tasks; rollouts = training episodes behind the "
-               f"method (TRACE: {trace_total}).\n\n")
+               f"method (TRACE: {trace_total}).")
+    if graded_envs:
+        caption += (f" On {', '.join(graded_envs)} an episode succeeds when its score is perfect (1); the mean "
+                    "reward is the mean score (the milestone similarity), also over tasks.")
+    caption += "\n\n"
     atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption + markdown(t1))
     atomic_write_text(paths.table("table1", ".csv"), table1_long(runs, groups).to_csv(index=False))
     atomic_write_text(paths.table("routing"), "# Routing vs merging\n\n" + markdown(routing_table(runs, trace_total))

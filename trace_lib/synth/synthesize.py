@@ -42,7 +42,7 @@ from trace_lib.synth.sandbox import ALLOWED_IMPORTS, SandboxProcess, limits_from
 from trace_lib.synth.templates import render_template_module, template_capabilities
 from trace_lib.synth.validate import validate_env
 
-TEMPLATE_TARGETS = ("retail", "tau2-retail")
+TEMPLATE_TARGETS = ("retail", "tau2-retail", "phone")
 
 
 def target_spec(env: EnvConfig) -> dict[str, str]:
@@ -102,9 +102,10 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
             return _not_synthesized(cap, backend, target, out_dir,
                                     f"the template synthesizer supports targets {list(TEMPLATE_TARGETS)}, "
                                     f"not {params.env.name!r}; use an LLM synthesizer (synthesize.backend)")
-        if cap.id not in template_capabilities():
+        have = template_capabilities(params.env.name)
+        if cap.id not in have:
             return _not_synthesized(cap, backend, target, out_dir,
-                                    f"no template for {cap.id!r} (templates: {', '.join(template_capabilities())}); "
+                                    f"no template for {cap.id!r} (templates: {', '.join(have)}); "
                                     "use an LLM synthesizer (synthesize.backend)")
         max_attempts = 1
     else:

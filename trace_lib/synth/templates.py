@@ -35,7 +35,7 @@ from functools import lru_cache
 from typing import Any
 
 from trace_lib.capabilities import CAPABILITY_TAGS
-from trace_lib.synth import templates_read, templates_write
+from trace_lib.synth import templates_phone, templates_read, templates_write
 from trace_lib.synth.template_kit import DIFFICULTY, Checks, Episode, Template, pool
 from trace_lib.synth.world import TargetWorld, target_tool_kinds, target_tool_schemas
 
@@ -44,11 +44,14 @@ from trace_lib.synth.world import TargetWorld, target_tool_kinds, target_tool_sc
 @lru_cache(maxsize=1)
 def _registry() -> dict[str, Template]:
     found = {t.capability: t for t in templates_read.TEMPLATES + templates_write.TEMPLATES}
-    return {cap: found[cap] for cap in CAPABILITY_TAGS}
+    return {cap: found[cap] for cap in CAPABILITY_TAGS if cap in found}
 
 
-def template_capabilities() -> list[str]:
-    """Capability ids with a template, in `CAPABILITY_TAGS` order."""
+def template_capabilities(target: str = "retail") -> list[str]:
+    """Capability ids with a template on the target named `target`, in `CAPABILITY_TAGS` order (the
+    retail templates also serve τ²-bench retail; the phone's come from its scenarios)."""
+    if target == "phone":
+        return templates_phone.phone_capabilities()
     return list(_registry())
 
 
@@ -106,14 +109,21 @@ class BoundTemplate:
         return copy.deepcopy(_plain(task)["meta"]["reference"])
 
 
-def bind_template(capability: str, target: dict[str, Any]) -> BoundTemplate:
+def bind_template(capability: str, target: dict[str, Any]) -> BoundTemplate | templates_phone.BoundPhoneTemplate:
     """The template for `capability` on `target` (what `synth_sdk.template` returns)."""
+    if target.get("name") == "phone":
+        return templates_phone.BoundPhoneTemplate(capability, target)
     return BoundTemplate(get_template(capability), target)
 
 
 def render_template_module(capability: str, target: dict[str, Any], difficulty_default: int = 1) -> str:
     """Source text of a synthesized module binding the template; same inputs give the same bytes."""
-    tpl = get_template(capability)
+    if target.get("name") == "phone":
+        templates_phone.BoundPhoneTemplate(capability, target)  # fails early, naming the phone's capabilities
+        episodes, reward, difficulty = templates_phone.phone_module_doc(capability)
+    else:
+        tpl = get_template(capability)
+        episodes, reward, difficulty = tpl.episodes, tpl.reward, tpl.difficulty
     target_tool_kinds(target)
     if not DIFFICULTY["min"] <= difficulty_default <= DIFFICULTY["max"]:
         raise ValueError(f"difficulty_default must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}]")
@@ -125,10 +135,10 @@ def render_template_module(capability: str, target: dict[str, Any], difficulty_d
     doc = "\n\n".join([
         f"Synthetic environment for `{capability}` on the {target['name']} target (template synthesizer).",
         para("Trains", CAPABILITY_TAGS[capability] + "."),
-        para("Episodes", tpl.episodes),
-        para("Reward", tpl.reward + " Partial credit: the mean of the rubric's steps when every gate holds "
+        para("Episodes", episodes),
+        para("Reward", reward + " Partial credit: the mean of the rubric's steps when every gate holds "
              "(trace_lib.synth.rubric). Episodes cut off by the step or error limit score 0."),
-        para("Difficulty", tpl.difficulty),
+        para("Difficulty", difficulty),
         textwrap.fill("Rendered by trace_lib.synth.templates.render_template_module (paper §3.2). The "
                       "generator, the target's tools and the checker live in trace_lib.synth.templates; "
                       "this module reaches them through trace_lib.synth_sdk.template, the only trace "

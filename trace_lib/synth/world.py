@@ -31,14 +31,18 @@ def _check_target(target: dict[str, Any]) -> tuple[str, str]:
     tools = target.get("tools", "core")
     if name == "retail":
         return name, tools
-    if name == "tau2-retail":
+    if name in ("tau2-retail", "phone"):
         return name, "all"
-    raise ValueError(f"synth_sdk: target {name!r} is not supported; 'retail' and 'tau2-retail' are")
+    raise ValueError(f"synth_sdk: target {name!r} is not supported; 'retail', 'tau2-retail' and 'phone' are")
 
 
 @lru_cache(maxsize=None)
 def _specs(name: str, tools: str) -> tuple:
     # Cached: building τ²'s tool objects parses every docstring (~35 ms), and a world is made per episode.
+    if name == "phone":
+        from trace_lib.envs.phone.world import phone_tool_specs
+
+        return tuple(phone_tool_specs())
     if name == "tau2-retail":  # τ²-bench shows the agent whole docstrings; the built-in target one sentence
         from trace_lib.envs import tau2
 
@@ -58,7 +62,8 @@ def target_tool_kinds(target: dict[str, Any]) -> dict[str, str]:
 
 def target_db(target: dict[str, Any]):
     """The target's pristine database (τ²'s RetailDB): read it, never mutate it."""
-    _check_target(target)
+    if _check_target(target)[0] == "phone":
+        raise ValueError("synth_sdk: the phone target has no shared database; each scenario carries its world")
     return _retail().load_base_db()
 
 
@@ -67,6 +72,9 @@ class TargetWorld:
 
     def __init__(self, target: dict[str, Any]) -> None:
         name, tools = _check_target(target)
+        if name == "phone":
+            raise ValueError("synth_sdk: TargetWorld wraps the retail tools; a phone world is "
+                             "trace_lib.envs.phone.world.PhoneWorld (from a task's meta['world'])")
         retail = _retail()
         self._retail = retail
         self._session = retail._Session()

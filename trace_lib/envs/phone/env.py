@@ -1,0 +1,134 @@
+"""`PhoneEnv`: the phone world behind trace's environment protocol (`trace_lib.envs.base`).
+
+Reads a scenario `Task` (its `meta`: starting world, milestones, minefields); writes nothing. Each
+tool call runs on the episode's `PhoneWorld` and leaves a snapshot (the tables after it and the
+call); each message to the user leaves one too; the scripted user (`trace_lib.envs.user`) answers
+what it is asked and ends the conversation on a final answer. The reward is the milestone similarity
+(`milestones.score_episode`); an episode cut off by the step or error limit scores 0, as in every
+trace environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.envs.phone.milestones import Constraint, Milestone, Snapshot, score_episode
+from trace_lib.envs.phone.world import PhoneWorld, execute, phone_tool_specs
+from trace_lib.envs.user import ScriptedUser
+from trace_lib.records import Task, ToolCall
+
+SYSTEM_PROMPT = (
+    "You are the assistant on the user's phone. Use the tools to do what the user asks, then tell the user the "
+    "result. Don't make assumptions about what values to plug into tools: ask the user when a request leaves "
+    "something out, and say so when a request cannot be done with the tools. When a tool returns an error, read "
+    "it, fix the cause and try again. Phone numbers are written as +1 and ten digits; times as ISO 8601 "
+    "(2026-03-14T17:00:00)."
+)
+
+
+class PhoneEnv(Environment):
+    """ToolSandbox-style phone: stateful tools with implicit dependencies, milestone/minefield reward."""
+
+    name = "phone"
+    transfer_tools = frozenset()
+    graded = True
+    isolate_tools = False
+    """The phone's tools are trace's own pure functions over a small in-memory state (no eval, no I/O,
+    bounded work), so they run in-process; `call_guarded` still turns any exception into an error."""
+
+    def __init__(self, max_steps: int = 8, max_errors: int = 4, user_max_turns: int = 6,
+                 user_factory: Callable[[Task], Any] | None = None) -> None:
+        super().__init__(max_steps=max_steps, max_errors=max_errors)
+        self.user_max_turns = user_max_turns
+        self.user_factory = user_factory
+        """Builds the user for a task (`env.user: llm`); None: the scripted user."""
+        self.world: PhoneWorld | None = None
+        self.start: dict[str, Any] = {}
+        self.snapshots: list[Snapshot] = []
+        self._user: Any = None
+
+    @property
+    def tools(self) -> list[ToolSpec]:
+        return list(phone_tool_specs())
+
+    def system_prompt(self, task: Task) -> str:
+        return SYSTEM_PROMPT
+
+    def _reset_state(self, task: Task) -> None:
+        if "world" not in task.meta:
+            raise ValueError(f"task {task.id!r} is not a phone scenario (no meta.world)")
+        self.world = PhoneWorld.from_dict(task.meta["world"])
+        self.start = self.world.snapshot()
+        self.snapshots = []
+        if self.user_factory is not None:
+            self._user = self.user_factory(task)
+        else:
+            self._user = ScriptedUser(task.user, max_turns=self.user_max_turns)
+
+    def _execute(self, call: ToolCall) -> tuple[str, bool]:
+        assert self.world is not None
+        text, is_error = execute(self.world, call.name, call.arguments)
+        self.snapshots.append(Snapshot(tables=self.world.snapshot(),
+                                       call={"name": call.name, "arguments": call.arguments, "ok": not is_error}))
+        return text, is_error
+
+    def _user_opening(self, task: Task) -> str:
+        assert self._user is not None
+        return self._user.opening()
+
+    def _user_reply(self, agent_text: str) -> UserTurn:
+        assert self.world is not None and self._user is not None
+        self.snapshots.append(Snapshot(tables=self.world.snapshot(), said=agent_text or ""))
+        return self._user.reply(agent_text)
+
+    def _score(self) -> tuple[float, dict[str, Any]]:
+        st = self._require_state()
+        meta = st.task.meta
+        result = score_episode([Milestone.model_validate(x) for x in meta.get("milestones", [])],
+                               [Constraint.model_validate(x) for x in meta.get("minefields", [])],
+                               self.snapshots, self.start)
+        return result["similarity"], {**result, "categories": list(meta.get("categories", [])),
+                                      "user": getattr(self._user, "mode", "scripted")}
+
+
+def user_instructions(task: Task) -> str:
+    """The scenario as an LLM user reads it (τ²'s user prompt wraps it): the request, what the user
+    knows and reveals only when asked, what it does not know."""
+    lines = ["You are using the assistant on your own phone (not calling a store).",
+             f"Your request, as you first say it: {task.user.reason_for_call}"]
+    if task.user.known_info:
+        lines.append("What you know and say only when the assistant asks: "
+                     + "; ".join(f"{k}: {v}" for k, v in task.user.known_info.items()) + ".")
+    if task.user.unknown_info:
+        lines.append("What you do not know (never make it up): " + ", ".join(task.user.unknown_info) + ".")
+    lines.append("You may let the assistant change phone settings (low battery mode, cellular, wifi, location "
+                 "services). End the conversation once the request is done or the assistant says it cannot be done.")
+    return "\n".join(lines)
+
+
+def llm_user_factory(cfg: Any) -> Callable[[Task], Any]:
+    """An LLM user per task through the analyst's cached Claude call (`env.user_model`, `env.user_cache_dir`)."""
+    from trace_lib.envs.tau2_user import LLMUser, cached_llm_client
+
+    client = cached_llm_client(cfg.user_model, cfg.user_cache_dir)
+    return lambda task: LLMUser(client, user_instructions(task), stage="phone_user")
+
+
+def play_steps(env: PhoneEnv, task: Task, steps: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+    """Play a scripted agent (`{"call": {name, arguments}}` / `{"say": text}` steps, as `meta.reference`)
+    until the steps run out or the episode ends; the episode's reward and info. A scenario is sound
+    when its reference plays perfect (tests check every one)."""
+    from trace_lib.records import Message
+
+    env.reset(task)
+    for k, step in enumerate(steps):
+        if env.done:
+            break
+        if "call" in step:
+            action = Message(role="assistant", tool_calls=[ToolCall(id=f"call_{k}", **step["call"])])
+        else:
+            action = Message(role="assistant", content=step["say"])
+        env.step(action)
+    return env.reward()

@@ -1,0 +1,170 @@
+"""The template synthesizer on the phone target: one environment per capability the phone's scenarios tag.
+
+Reads the phone environment's scenario families (`trace_lib.envs.phone.scenarios`); writes nothing.
+Where the retail templates are written per capability, the phone's scenarios already come with
+capability tags, milestones, minefields and a reference solution, so a capability's training
+environment is the phone's own families drawn on seeds the target never uses (split `synth`),
+keeping the scenarios whose tags include the capability. The world and tools are the target's
+(`trace_lib.envs.phone.world`), so the adapter meets no interface shift (paper §3.2).
+
+Multi-level reward (`trace_lib.synth.rubric`): each milestone is a step (its similarity), the
+minefields and the episode limits are gates; so the rubric's score is the phone's milestone
+similarity. Scenarios where doing nothing is right (insufficient information, no milestone) are
+left out: a training environment must not reward an agent that does nothing (`validate` checks it).
+The difficulty knob is the family's difficulty: a task of difficulty d comes from a family of
+difficulty at most d (at least the capability's easiest).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from functools import lru_cache
+from typing import Any
+
+from trace_lib.synth.rubric import rubric
+from trace_lib.synth.template_kit import DIFFICULTY
+
+SYNTH_SPLIT = "synth"
+"""The seed space of synthetic phone tasks: scenario RNGs are keyed by split, so never a train/test one."""
+TRIES = 200
+
+
+def _phone():
+    from trace_lib.envs.phone import milestones, scenarios, world
+
+    return scenarios, milestones, world
+
+
+@lru_cache(maxsize=None)
+def _families_for(capability: str) -> tuple[tuple[str, int], ...]:
+    """(family, difficulty) of the families with a scenario tagged `capability` among their first 16
+    synth seeds, and milestones to reach (so doing nothing fails)."""
+    scenarios, _, _ = _phone()
+    out = []
+    for fam in scenarios.FAMILIES:
+        for i in range(16):
+            task = scenarios.scenario_task(fam, 0, SYNTH_SPLIT, i)
+            if capability in task.capability_tags and task.meta["milestones"]:
+                out.append((fam.name, fam.difficulty))
+                break
+    return tuple(out)
+
+
+def phone_capabilities() -> list[str]:
+    """Capability ids with a phone template, in `trace_lib.capabilities` order."""
+    from trace_lib.capabilities import CAPABILITY_TAGS
+
+    return [c for c in CAPABILITY_TAGS if _families_for(c)]
+
+
+def snapshots_of(messages: list[dict[str, Any]], start_world: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The episode's snapshots, rebuilt by replaying its tool calls on a fresh world (the tools are
+    deterministic), and the starting tables."""
+    _, ms, world = _phone()
+    state = world.PhoneWorld.from_dict(start_world)
+    start = state.snapshot()
+    snaps = []
+    for m in messages:
+        if m.get("role") != "assistant" or m.get("invalid") is not None:
+            continue
+        calls = m.get("tool_calls") or []
+        for c in calls:
+            _, is_error = world.execute(state, c.get("name", ""), c.get("arguments") or {})
+            snaps.append(ms.Snapshot(tables=state.snapshot(), call={"name": c.get("name"),
+                                                                    "arguments": c.get("arguments") or {},
+                                                                    "ok": not is_error}))
+        if not calls:
+            snaps.append(ms.Snapshot(tables=state.snapshot(), said=m.get("content") or ""))
+    return snaps, start
+
+
+def _label(i: int, milestone: dict[str, Any]) -> str:
+    c = milestone["constraints"][0] if milestone["constraints"] else {"kind": "any"}
+    what = c.get("tool") or c.get("table") or ("_".join(sorted(c.get("values", {}))) or c["kind"])
+    return f"m{i + 1}_{c['kind']}_{what}"
+
+
+class BoundPhoneTemplate:
+    """The contract's functions for one capability on the phone target (see `trace_lib.synth_sdk`)."""
+
+    def __init__(self, capability: str, target: dict[str, Any]) -> None:
+        if target.get("name") != "phone":
+            raise ValueError(f"phone templates bind to the phone target, got {target.get('name')!r}")
+        self.families = _families_for(capability)
+        if not self.families:
+            raise ValueError(f"synthesize: no phone scenario trains {capability!r}; phone templates exist for "
+                             f"{phone_capabilities()}")
+        self.capability = capability
+        self.target = dict(target)
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        _, _, world = _phone()
+        return [spec.to_schema() for spec in world.phone_tool_specs()]
+
+    def generate_task(self, seed: int, difficulty: int) -> dict[str, Any]:
+        if not DIFFICULTY["min"] <= difficulty <= DIFFICULTY["max"]:
+            raise ValueError(f"difficulty must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}], got {difficulty}")
+        scenarios, _, _ = _phone()
+        easiest = min(d for _, d in self.families)
+        names = [n for n, d in self.families if d <= max(difficulty, easiest)]
+        by_name = {f.name: f for f in scenarios.FAMILIES}
+        rng = random.Random(f"{self.capability}:{seed}:{difficulty}")
+        for attempt in range(TRIES):
+            fam = by_name[rng.choice(names)]
+            task = scenarios.scenario_task(fam, seed, SYNTH_SPLIT, attempt)
+            if self.capability in task.capability_tags and task.meta["milestones"]:
+                break
+        else:  # pragma: no cover - every family in `names` had such a scenario among 16 seeds
+            raise RuntimeError(f"no {self.capability} scenario in {TRIES} tries")
+        meta = {**task.meta, "capability": self.capability, "target": "phone", "seed": seed,
+                "difficulty": difficulty, "family": fam.name}
+        out = {"instruction": task.instruction, "user": task.user.model_dump(mode="json"),
+               "required_outputs": task.required_outputs,
+               "gold_actions": [c.model_dump(mode="json", exclude_none=True) for c in task.gold_actions],
+               "capability_tags": task.capability_tags, "meta": meta}
+        return json.loads(json.dumps(out))
+
+    def init_state(self, task: dict[str, Any]) -> Any:
+        _, _, world = _phone()
+        return world.PhoneWorld.from_dict(task["meta"]["world"])
+
+    def call_tool(self, state: Any, name: str, arguments: dict[str, Any]) -> str:
+        from trace_lib.synth.world import ToolError
+
+        _, _, world = _phone()
+        text, is_error = world.execute(state, name, arguments)
+        if is_error:
+            raise ToolError(text.removeprefix("Error: "))
+        return text
+
+    def evaluate(self, trajectory: dict[str, Any], task: dict[str, Any], state: Any) -> int | dict[str, Any]:
+        """The milestones as rubric steps, the minefields as a gate; 0 for an episode cut off by a limit."""
+        if trajectory.get("termination") in ("max_steps", "max_errors"):
+            return 0
+        _, ms, _ = _phone()
+        task = task.model_dump(mode="json") if hasattr(task, "model_dump") else task
+        meta = task["meta"]
+        snaps, start = snapshots_of(trajectory.get("messages", []), meta["world"])
+        milestones = [ms.Milestone.model_validate(x) for x in meta["milestones"]]
+        result = ms.score_episode(milestones, [ms.Constraint.model_validate(x) for x in meta["minefields"]],
+                                  snaps, start)
+        steps = {_label(i, x): v for i, (x, v) in enumerate(zip(meta["milestones"], result["milestones"],
+                                                                strict=True))}
+        return rubric(steps, {"no_minefield": result["minefield"] is None})
+
+    def solve(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        task = task.model_dump(mode="json") if hasattr(task, "model_dump") else task
+        return [{"tool": s["call"]["name"], "arguments": copy.deepcopy(s["call"]["arguments"])} if "call" in s
+                else {"say": s["say"]} for s in task["meta"]["reference"]]
+
+
+def phone_module_doc(capability: str) -> tuple[str, str, str]:
+    """(episodes, reward, difficulty) texts of the rendered module's docstring."""
+    fams = ", ".join(n for n, _ in _families_for(capability))
+    return (f"the phone's own scenario families whose scenarios train it ({fams}), on seeds the target never "
+            "uses, with the target's world, tools and scripted user.",
+            "the phone's milestone similarity as a rubric: one step per milestone (its similarity), a gate on "
+            "the minefields.",
+            "a task of difficulty d comes from a family of difficulty at most d (0-3).")
