@@ -147,15 +147,27 @@ def test_canonical_vocabularies_refuse_other_spellings():
 
 @pytest.mark.parametrize("name,args,expected", [
     ("set_wifi_status", {"on": "maybe"}, "must be true or false"),
+    ("shift_timestamp", {"timestamp": "2026-03-14T09:30:00", "days": 1e300}, "finite number"),
+    ("shift_timestamp", {"timestamp": "2026-03-14T09:30:00", "days": "nan"}, "finite number"),
+    ("shift_timestamp", {"timestamp": "2026-03-14T09:30:00", "days": True}, "finite number"),
+    ("shift_timestamp", {"timestamp": "2026-03-14T09:30:00", "days": 4000}, "at most ten years"),
+    ("shift_timestamp", {"timestamp": "9999-12-31T09:30:00", "days": 2}, "out of range"),
+    ("unit_conversion", {"amount": 10 ** 400, "from_unit": "mile", "to_unit": "meter"}, "finite number"),
+    ("convert_currency", {"amount": "inf", "from_currency": "USD", "to_currency": "EUR"}, "finite number"),
     ("add_contact", {"name": "Bo"}, "missing argument(s) for add_contact: phone_number"),
     ("search_contacts", {"nick": "Bo"}, "unexpected argument(s) for search_contacts: nick"),
     ("remove_contact", {"person_id": "person_999"}, "no contact with person_id"),
-    ("shift_timestamp", {"timestamp": "2026-03-14T09:30:00", "days": "x"}, "must be a number"),
+    ("shift_timestamp", {"timestamp": "2026-03-14T09:30:00", "days": "x"}, "must be a finite number"),
     ("make_coffee", {}, "unknown tool 'make_coffee'"),
 ])
 def test_bad_calls_are_error_observations(name, args, expected):
     text, err = execute(_world(), name, args)
     assert err and text.startswith("Error") and expected in text
+
+
+def test_arguments_that_are_not_an_object_are_an_error():
+    text, err = execute(_world(), "search_contacts", ["Ana"])
+    assert err and "must be an object" in text
 
 
 def test_tool_schemas_are_json_functions_with_read_write_marks():
@@ -192,13 +204,29 @@ def test_partial_similarity_and_the_order_of_milestones(tasks):
     assert reward == 0.5 and info["milestones"] == [1.0, 0.0]
 
 
-def test_an_unrequested_change_zeroes_the_milestones_it_follows(tasks):
-    task = _only(tasks, "check_setting")[0]
+MEDDLE = {"call": {"name": "add_reminder", "arguments": {"content": "x", "reminder_timestamp": "2026-03-14T10:00:00"}}}
+
+
+@pytest.mark.parametrize("family", ["check_setting", "toggle_setting", "unsupported_request", "unknown_contact"])
+def test_an_unrequested_change_anywhere_zeroes_the_score(tasks, family):
+    task = _only(tasks, family)[0]
     ref = task.meta["reference"]
-    meddle = {"call": {"name": "add_reminder", "arguments": {"content": "x",
-                                                             "reminder_timestamp": "2026-03-14T10:00:00"}}}
-    reward, info = _play(task, [ref[0], meddle, ref[-1]])
-    assert info["milestones"] == [1.0, 0.0] and reward == 0.5
+    for steps in ([MEDDLE, *ref], [*ref[:-1], MEDDLE, ref[-1]]):  # before the milestones, after the last one
+        reward, info = _play(task, steps)
+        assert reward == 0.0 and info["changed"] == "reminders", (family, info)
+
+
+def test_requests_name_people_the_user_can_tell_apart(tasks):
+    for task in tasks:
+        firsts = [c["name"].split()[0] for c in task.meta["world"]["contacts"]]
+        assert len(firsts) == len(set(firsts)), task.id
+
+
+def test_a_setting_answer_must_state_the_value(tasks):
+    task = next(t for t in _only(tasks, "check_setting") if "is off" in t.required_outputs)
+    ref = task.meta["reference"]
+    reward, _ = _play(task, [ref[0], {"say": "Based on the status, your setting is on."}])
+    assert reward == 0.5
 
 
 def test_minefields_zero_the_score(tasks):
@@ -337,6 +365,22 @@ def test_detectors_see_the_phone_capabilities(tasks):
     send = {"call": {"name": "send_message_with_phone_number", "arguments": {"phone_number": "+14155550100",
                                                                             "content": "hi"}}}
     assert _labels(unknown, [send, *GIVE_UP])["missing_information_handling"] == "LACKING"
+    conv = _only(tasks, "unit_conversion")[0]
+    as_text = [{"call": {"name": "unit_conversion", "arguments": {
+        k: str(v) for k, v in conv.meta["reference"][0]["call"]["arguments"].items()}}}, conv.meta["reference"][-1]]
+    assert _labels(conv, as_text)["argument_canonicalization"] == "PRESENT"  # "26.2" is 26.2 to the tool
+
+
+def test_retail_only_detectors_say_na_on_the_phone(tasks):
+    from trace_lib.analyst.detectors import detect
+    from trace_lib.envs.phone.world import tool_kinds
+
+    for family in ("toggle_setting", "send_message_blocked", "add_contact"):
+        task = _only(tasks, family)[0]
+        labels = {lb.capability_id: lb.label for lb in detect(_trajectory(task, task.meta["reference"]), tool_kinds(),
+                                                              task, ids=["confirmation_before_write",
+                                                                         "precondition_verification"])}
+        assert set(labels.values()) == {"NA"}, (family, labels)
 
 
 @pytest.mark.parametrize("capability", ["tool_call_precision", "communicate_result", "multi_step_completion",

@@ -209,7 +209,14 @@ def identity_verification(traj: Trajectory, kinds: dict[str, str], task: Task | 
     return "NA", "no account data was accessed"
 
 
+def _not_on_phone(task: Task | None) -> bool:
+    """The phone asks for no confirmation, and its refusals for state are `state_dependency_resolution`'s."""
+    return task is not None and task.env == "phone"
+
+
 def precondition_verification(traj: Trajectory, kinds: dict[str, str], task: Task | None) -> Verdict:
+    if _not_on_phone(task):
+        return "NA", "the phone's state refusals belong to state_dependency_resolution"
     writes = [e for e in call_events(traj) if _kind(e.call.name, kinds) == "write"]
     if not writes:
         return "NA", "no write was attempted"
@@ -259,6 +266,8 @@ def structured_data_reasoning(traj: Trajectory, kinds: dict[str, str], task: Tas
 
 
 def confirmation_before_write(traj: Trajectory, kinds: dict[str, str], task: Task | None) -> Verdict:
+    if _not_on_phone(task):
+        return "NA", "the phone asks for no confirmation before a change"
     writes = [e for e in call_events(traj) if _kind(e.call.name, kinds) == "write"]
     if not writes:
         return "NA", "no write was attempted"
@@ -344,6 +353,16 @@ def _categories(task: Task | None) -> list[str]:
     return list(task.meta.get("categories", [])) if task is not None else []
 
 
+def _canonical_value(value: object) -> str:
+    """`_norm`, with numbers given as text compared as numbers (the tools take "5" for 5.0)."""
+    if isinstance(value, str):
+        try:
+            return _norm(float(value))
+        except ValueError:
+            pass
+    return _norm(value)
+
+
 def state_dependency_resolution(traj: Trajectory, kinds: dict[str, str], task: Task | None) -> Verdict:
     events = call_events(traj)
     blocked = [e for e in events if e.observation is not None and e.observation.error
@@ -368,14 +387,14 @@ def argument_canonicalization(traj: Trajectory, kinds: dict[str, str], task: Tas
         return "LACKING", f"{refused.call.name} refused a non-canonical value ({why})"
     checked = 0
     for gold in task.gold_actions:
-        want = {k: _norm(v) for k, v in gold.arguments.items() if k in _CANONICAL_KEYS}
+        want = {k: _canonical_value(v) for k, v in gold.arguments.items() if k in _CANONICAL_KEYS}
         if not want:
             continue
         calls = [e.call for e in events if e.call.name == gold.name]
         if not calls:
             continue
         checked += 1
-        if not any(all(_norm(c.arguments.get(k)) == v for k, v in want.items()) for c in calls):
+        if not any(all(_canonical_value(c.arguments.get(k)) == v for k, v in want.items()) for c in calls):
             got = {k: calls[-1].arguments.get(k) for k in want}
             return "LACKING", f"{gold.name} got {_clip(json.dumps(got, default=str), 60)}, not the canonical values"
     if not checked:

@@ -39,6 +39,12 @@ def make_env(cfg: EnvConfig) -> Environment:
     return _module(cfg.name).build_env(cfg)
 
 
+def graded_reward(name: str) -> bool:
+    """Whether environment `name` scores episodes between 0 and 1 with meaning (its module's `GRADED`, e.g.
+    the phone's milestone similarity): Table 1 then shows the mean reward beside the success rate."""
+    return bool(getattr(_module(name), "GRADED", False))
+
+
 def make_tasks(cfg: EnvConfig, split: str) -> list[Task]:
     """The environment's tasks for `split`, in a stable order."""
     return _module(cfg.name).build_tasks(cfg, split)

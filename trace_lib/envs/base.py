@@ -75,9 +75,6 @@ class Environment(ABC):
 
     name: str = "env"
     transfer_tools: frozenset[str] = frozenset({"transfer_to_human_agents"})
-    graded: bool = False
-    """Whether rewards between 0 and 1 carry meaning (the phone's milestone similarity): Table 1 then
-    shows the mean reward beside the success rate (success is a reward of 1)."""
     isolate_tools: bool = True
     """Run tool calls through `call_limited` (a forked copy under a time limit). Environments whose
     tools already run out of process under limits (the synthesized ones) turn it off."""

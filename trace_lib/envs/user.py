@@ -45,11 +45,12 @@ FIELD_KEYWORDS: dict[str, tuple[str, ...]] = {
     "reason": ("reason", "why"),
     "phone": ("phone", "number to reach"),
     # the phone environment's fields (trace_lib.envs.phone)
-    "recipient": ("who", "whom", "recipient", "which contact", "send it to", "send the message to"),
+    "recipient": ("who is", "who's", "who should", "who do", "who would", "whom", "recipient", "which contact",
+                  "send it to", "send the message to"),
     "message": ("what should", "what would you like", "message say", "content", "what message", "the message",
                 "text say", "what do you want"),
     "reminder": ("remind", "reminder about", "what would you like"),
-    "time": ("when", "what time", "which time", "date"),
+    "time": ("when", "what time", "which time", "what date", "which date", "which day"),
 }
 """Keywords per field family; a `known_info` key uses every family whose name it contains."""
 

@@ -39,7 +39,7 @@ from typing import Any, get_args
 from trace_lib.agent.model import numerics
 from trace_lib.agent.backends import open_policy
 from trace_lib.config import EnvConfig, EvaluateConfig, Params
-from trace_lib.envs import load_tasks, make_env, task_split
+from trace_lib.envs import graded_reward, load_tasks, make_env, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation import inputs
@@ -284,8 +284,8 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
         write_jsonl(paths.route_decisions(key), ds)
     write_jsonl(paths.eval_results, eval_results(runs, ",".join(env_names), cfg.split))
 
-    graded_envs = [e.name for e, _ in targets if make_env(e).graded]
-    t1 = table1(runs, groups, trace_total, mean_reward=bool(graded_envs) or None)
+    graded_envs = [name for name in env_names if graded_reward(name)]
+    t1 = table1(runs, groups, trace_total, mean_reward=bool(graded_envs))
     caption = (f"Success rate (%) on {', '.join(env_names)} ({cfg.split} split, {len(tasks)} tasks, "
                f"{cfg.samples_per_task} episode(s) per task, temperature {cfg.temperature:g}) with "
                f"{cfg.ci_level:.0%} bootstrap intervals over tasks; rollouts = training episodes behind the "

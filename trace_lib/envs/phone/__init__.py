@@ -20,7 +20,10 @@ from trace_lib.envs.phone.env import PhoneEnv, llm_user_factory
 from trace_lib.envs.phone.scenarios import build_phone_tasks
 from trace_lib.records import Task
 
-__all__ = ["PhoneEnv", "build_env", "build_tasks"]
+__all__ = ["GRADED", "PhoneEnv", "build_env", "build_tasks"]
+
+GRADED = True
+"""Rewards are the milestone similarity in [0, 1], not only 0 or 1 (`trace_lib.envs.graded_reward`)."""
 
 
 def build_env(cfg: EnvConfig) -> PhoneEnv:

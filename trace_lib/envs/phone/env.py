@@ -33,7 +33,6 @@ class PhoneEnv(Environment):
 
     name = "phone"
     transfer_tools = frozenset()
-    graded = True
     isolate_tools = False
     """The phone's tools are trace's own pure functions over a small in-memory state (no eval, no I/O,
     bounded work), so they run in-process; `call_guarded` still turns any exception into an error."""

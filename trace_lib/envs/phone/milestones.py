@@ -20,12 +20,13 @@ Similarities, each in [0, 1]:
 
 Row constraints compare with the snapshot where the milestone's latest `after` matched (the starting
 world when it has none): "a message added after the contact lookup". A milestone's similarity at a
-snapshot is the geometric mean of its constraints', times a guardrail: tables that no milestone of
-the scenario constrains must still equal the starting world (a change nobody asked for zeroes it;
-ToolSandbox guards per milestone and DAG predecessors, which would also zero a milestone reached
-after an unordered sibling changed its own table). The episode's similarity is the best assignment
+snapshot is the geometric mean of its constraints'. The episode's similarity is the best assignment
 of milestones to snapshots that respects the DAG, as the mean over milestones (1 with none); a
-minefield that holds anywhere makes it 0. *Perfect* means similarity 1.
+minefield that holds anywhere makes it 0, and so does a guardrail: tables that no milestone of the
+scenario constrains (every table, with no milestones) must equal the starting world at every
+snapshot, so a change nobody asked for costs the whole score (ToolSandbox guards per milestone
+against its DAG predecessors; guarding the whole episode also catches changes after the last
+milestone and in scenarios without milestones). *Perfect* means similarity 1.
 """
 
 from __future__ import annotations
@@ -180,8 +181,6 @@ def best_assignment(milestones: Sequence[Milestone], snaps: Sequence[Snapshot],
     similarity in it. Row constraints compare with the latest snapshot of the milestone's `after` (the
     starting world for a milestone without one), so "added after the lookup" means what it says."""
     _check_dag(milestones)
-    guarded = guarded_tables(milestones, start)
-    clean = [all(s.tables[t] == start[t] for t in guarded) for s in snaps]
     n, cols = len(milestones), len(snaps)
     sims: dict[tuple[int, int, int], float] = {}
 
@@ -189,8 +188,7 @@ def best_assignment(milestones: Sequence[Milestone], snaps: Sequence[Snapshot],
         key = (i, s, ref)
         if key not in sims:
             base = start if ref < 0 else snaps[ref].tables
-            sims[key] = 0.0 if not clean[s] else geometric_mean(
-                [constraint_similarity(c, snaps[s], base) for c in milestones[i].constraints])
+            sims[key] = geometric_mean([constraint_similarity(c, snaps[s], base) for c in milestones[i].constraints])
         return sims[key]
 
     memo: dict[tuple, tuple[float, list[float]]] = {}
@@ -219,17 +217,20 @@ def best_assignment(milestones: Sequence[Milestone], snaps: Sequence[Snapshot],
 
 def score_episode(milestones: Sequence[Milestone], minefields: Sequence[Constraint], snaps: Sequence[Snapshot],
                   start: dict[str, Any]) -> dict[str, Any]:
-    """{similarity, perfect, milestones (each one's matched similarity), minefield (index hit or None)}.
-    A minefield on a call is hit by any attempt of the call, refused or not."""
+    """{similarity, perfect, milestones (each one's matched similarity), minefield (index hit or None),
+    changed (a table no milestone names that the episode changed, or None)}. A minefield on a call is
+    hit by any attempt of the call, refused or not; a changed table zeroes the score like a minefield."""
     mine = next((k for k, c in enumerate(minefields)
                  if any(constraint_similarity(c, s, start, attempts=True) > 0 for s in snaps)), None)
+    guarded = guarded_tables(milestones, start)
+    changed = next((t for s in snaps for t in guarded if s.tables[t] != start[t]), None)
     if milestones:
         total, each = best_assignment(milestones, snaps, start)
         similarity = total / len(milestones)
     else:
         total, each, similarity = 0.0, [], 1.0
-    if mine is not None:
+    if mine is not None or changed is not None:
         similarity = 0.0
     similarity = round(similarity, 6)
     return {"similarity": similarity, "perfect": similarity >= 1.0 - 1e-9,
-            "milestones": [round(x, 6) for x in each], "minefield": mine}
+            "milestones": [round(x, 6) for x in each], "minefield": mine, "changed": changed}

@@ -68,7 +68,8 @@ def make_world(rng: random.Random, contacts: int = 5) -> tuple[PhoneWorld, list[
     one reminder, every setting on but low battery mode; and the non-owner contacts."""
     start = datetime(2026, 1, 5, 8, 0) + timedelta(days=rng.randrange(0, 300), minutes=15 * rng.randrange(0, 48))
     world = PhoneWorld(now=start.strftime(ISO))
-    names = rng.sample([f"{f} {last}" for f in FIRST for last in LAST], contacts + 1)
+    # first names distinct: requests name people by first name, and the user cannot say which of two is meant
+    names = [f"{first} {rng.choice(LAST)}" for first in rng.sample(FIRST, contacts + 1)]
     numbers: set[str] = set()
     while len(numbers) < contacts + 1:
         numbers.add(canonical_number(rng))
@@ -157,9 +158,9 @@ def _check_setting(rng: random.Random, level: int) -> Scenario:
     return Scenario(
         opening=rng.choice([f"Is my {label} on right now?", f"Can you check whether {label} is on?"]),
         instruction=f"The user asks whether {label} is on; the agent reads it and says it is {word}.",
-        world=world, milestones=chain(m(c_call(tool)), m(Constraint(kind="said", facts=[word]))),
+        world=world, milestones=chain(m(c_call(tool)), m(Constraint(kind="said", facts=[f"is {word}"]))),
         reference=[call(tool), say(f"Your {label} is {word}.")],
-        categories=("single_tool_call", "single_user_turn"), tags=("communicate_result",), facts=(word,))
+        categories=("single_tool_call", "single_user_turn"), tags=("communicate_result",), facts=(f"is {word}",))
 
 
 def _toggle_setting(rng: random.Random, level: int) -> Scenario:

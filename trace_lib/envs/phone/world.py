@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
@@ -35,6 +36,8 @@ PLACES_PATH = Path(__file__).resolve().parent / "places.json"
 SETTINGS = ("cellular", "wifi", "location_service", "low_battery_mode")
 TABLES = ("settings", "contacts", "messages", "reminders")
 ISO = "%Y-%m-%dT%H:%M:%S"
+MAX_NUMBER = 1e9
+"""Largest magnitude a number argument may have (amounts, shifts): beyond it a call is refused."""
 
 UNITS: dict[str, tuple[str, float, float]] = {
     # unit -> (dimension, factor to the dimension's base unit, offset); base: meter, kilogram, liter, celsius
@@ -189,9 +192,12 @@ def _args(arguments: dict[str, Any], spec: ToolSpec) -> dict[str, Any]:
             value = str(value).lower() == "true"
         elif kind == "number":
             try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ToolFailure("TypeError", f"{key} must be a number, got {value!r}") from None
+                value = float(value) if not isinstance(value, bool) else None
+            except (TypeError, ValueError, OverflowError):
+                value = None
+            if value is None or not math.isfinite(value) or abs(value) > MAX_NUMBER:
+                raise ToolFailure("TypeError", f"{key} must be a finite number of at most {MAX_NUMBER:g}, "
+                                               f"got {arguments[key]!r}")
         elif kind == "string" and not isinstance(value, str):
             value = str(value)
         out[key] = value
@@ -304,10 +310,13 @@ def _remove_reminder(world: PhoneWorld, a: dict[str, Any]) -> str:
 
 def _shift(world: PhoneWorld, a: dict[str, Any]) -> str:
     start = _parse_time(a["timestamp"], "timestamp")
-    delta = timedelta(days=a.get("days", 0.0), hours=a.get("hours", 0.0), minutes=a.get("minutes", 0.0))
-    if abs(delta.days) > 3650:
+    minutes = a.get("days", 0.0) * 1440 + a.get("hours", 0.0) * 60 + a.get("minutes", 0.0)
+    if abs(minutes) > 3650 * 1440:
         raise ToolFailure("ValueError", "shift by at most ten years")
-    return _dump({"timestamp": (start + delta).strftime(ISO)})
+    try:
+        return _dump({"timestamp": (start + timedelta(minutes=minutes)).strftime(ISO)})
+    except OverflowError:
+        raise ToolFailure("ValueError", "the shifted time is out of range") from None
 
 
 def convert_units(amount: float, from_unit: str, to_unit: str) -> float:
@@ -387,7 +396,11 @@ def execute(world: PhoneWorld, name: str, arguments: dict[str, Any]) -> tuple[st
     specs = {t.name: t for t in phone_tool_specs()}
     if name not in specs:
         return f"Error: unknown tool '{name}'", True
+    if not isinstance(arguments, dict):
+        return f"Error: TypeError: arguments must be an object, got {type(arguments).__name__}", True
     try:
         return _HANDLERS[name](world, _args(arguments, specs[name])), False
     except ToolFailure as err:
         return f"Error: {err.kind}: {err}", True
+    except Exception as err:  # a bug of ours must not end an episode or a reward request: it is an observation
+        return f"Error: {type(err).__name__}: {err}", True
