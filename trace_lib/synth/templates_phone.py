@@ -23,6 +23,10 @@ import random
 from functools import lru_cache
 from typing import Any
 
+from trace_lib.envs.phone import scenarios
+from trace_lib.envs.phone.env import replay_snapshots
+from trace_lib.envs.phone.milestones import score_scenario
+from trace_lib.envs.phone.world import PhoneWorld, execute, phone_tool_specs
 from trace_lib.synth.rubric import rubric
 from trace_lib.synth.template_kit import DIFFICULTY
 
@@ -31,17 +35,10 @@ SYNTH_SPLIT = "synth"
 TRIES = 200
 
 
-def _phone():
-    from trace_lib.envs.phone import milestones, scenarios, world
-
-    return scenarios, milestones, world
-
-
 @lru_cache(maxsize=None)
 def _families_for(capability: str) -> tuple[tuple[str, int], ...]:
     """(family, difficulty) of the families with a scenario tagged `capability` among their first 16
     synth seeds, and milestones to reach (so doing nothing fails)."""
-    scenarios, _, _ = _phone()
     out = []
     for fam in scenarios.FAMILIES:
         for i in range(16):
@@ -57,27 +54,6 @@ def phone_capabilities() -> list[str]:
     from trace_lib.capabilities import CAPABILITY_TAGS
 
     return [c for c in CAPABILITY_TAGS if _families_for(c)]
-
-
-def snapshots_of(messages: list[dict[str, Any]], start_world: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """The episode's snapshots, rebuilt by replaying its tool calls on a fresh world (the tools are
-    deterministic), and the starting tables."""
-    _, ms, world = _phone()
-    state = world.PhoneWorld.from_dict(start_world)
-    start = state.snapshot()
-    snaps = []
-    for m in messages:
-        if m.get("role") != "assistant" or m.get("invalid") is not None:
-            continue
-        calls = m.get("tool_calls") or []
-        for c in calls:
-            _, is_error = world.execute(state, c.get("name", ""), c.get("arguments") or {})
-            snaps.append(ms.Snapshot(tables=state.snapshot(), call={"name": c.get("name"),
-                                                                    "arguments": c.get("arguments") or {},
-                                                                    "ok": not is_error}))
-        if not calls:
-            snaps.append(ms.Snapshot(tables=state.snapshot(), said=m.get("content") or ""))
-    return snaps, start
 
 
 def _label(i: int, milestone: dict[str, Any]) -> str:
@@ -100,13 +76,11 @@ class BoundPhoneTemplate:
         self.target = dict(target)
 
     def tool_schemas(self) -> list[dict[str, Any]]:
-        _, _, world = _phone()
-        return [spec.to_schema() for spec in world.phone_tool_specs()]
+        return [spec.to_schema() for spec in phone_tool_specs()]
 
     def generate_task(self, seed: int, difficulty: int) -> dict[str, Any]:
         if not DIFFICULTY["min"] <= difficulty <= DIFFICULTY["max"]:
             raise ValueError(f"difficulty must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}], got {difficulty}")
-        scenarios, _, _ = _phone()
         easiest = min(d for _, d in self.families)
         names = [n for n, d in self.families if d <= max(difficulty, easiest)]
         by_name = {f.name: f for f in scenarios.FAMILIES}
@@ -127,14 +101,12 @@ class BoundPhoneTemplate:
         return json.loads(json.dumps(out))
 
     def init_state(self, task: dict[str, Any]) -> Any:
-        _, _, world = _phone()
-        return world.PhoneWorld.from_dict(task["meta"]["world"])
+        return PhoneWorld.from_dict(task["meta"]["world"])
 
     def call_tool(self, state: Any, name: str, arguments: dict[str, Any]) -> str:
         from trace_lib.synth.world import ToolError
 
-        _, _, world = _phone()
-        text, is_error = world.execute(state, name, arguments)
+        text, is_error = execute(state, name, arguments)
         if is_error:
             raise ToolError(text.removeprefix("Error: "))
         return text
@@ -143,13 +115,10 @@ class BoundPhoneTemplate:
         """The milestones as rubric steps, the minefields as a gate; 0 for an episode cut off by a limit."""
         if trajectory.get("termination") in ("max_steps", "max_errors"):
             return 0
-        _, ms, _ = _phone()
         task = task.model_dump(mode="json") if hasattr(task, "model_dump") else task
         meta = task["meta"]
-        snaps, start = snapshots_of(trajectory.get("messages", []), meta["world"])
-        milestones = [ms.Milestone.model_validate(x) for x in meta["milestones"]]
-        result = ms.score_episode(milestones, [ms.Constraint.model_validate(x) for x in meta["minefields"]],
-                                  snaps, start)
+        snaps, start = replay_snapshots(trajectory.get("messages", []), meta["world"])
+        result = score_scenario(meta, snaps, start)
         steps = {_label(i, x): v for i, (x, v) in enumerate(zip(meta["milestones"], result["milestones"],
                                                                 strict=True))}
         return rubric(steps, {"no_minefield": result["minefield"] is None})

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
-from trace_lib.envs.phone.milestones import Constraint, Milestone, Snapshot, score_episode
+from trace_lib.envs.phone.milestones import Snapshot, score_scenario
 from trace_lib.envs.phone.world import PhoneWorld, execute, phone_tool_specs
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Task, ToolCall
@@ -26,6 +26,35 @@ SYSTEM_PROMPT = (
     "it, fix the cause and try again. Phone numbers are written as +1 and ten digits; times as ISO 8601 "
     "(2026-03-14T17:00:00)."
 )
+
+
+def call_snapshot(world: PhoneWorld, name: str, arguments: dict[str, Any], ok: bool) -> Snapshot:
+    """The snapshot a tool call leaves: the tables after it, and the call."""
+    return Snapshot(tables=world.snapshot(), call={"name": name, "arguments": arguments, "ok": ok})
+
+
+def said_snapshot(world: PhoneWorld, text: str) -> Snapshot:
+    """The snapshot a message to the user leaves."""
+    return Snapshot(tables=world.snapshot(), said=text or "")
+
+
+def replay_snapshots(messages: list[dict[str, Any]], start_world: dict[str, Any]) -> tuple[list[Snapshot], dict]:
+    """An episode's snapshots rebuilt from its messages (dicts) by replaying its tool calls on a fresh
+    world (the tools are deterministic), and the starting tables: what `PhoneEnv` records live."""
+    world = PhoneWorld.from_dict(start_world)
+    start = world.snapshot()
+    snaps = []
+    for m in messages:
+        if m.get("role") != "assistant" or m.get("invalid") is not None:
+            continue
+        calls = m.get("tool_calls") or []
+        for c in calls:
+            arguments = c.get("arguments") or {}
+            _, is_error = execute(world, c.get("name", ""), arguments)
+            snaps.append(call_snapshot(world, c.get("name"), arguments, not is_error))
+        if not calls:
+            snaps.append(said_snapshot(world, m.get("content") or ""))
+    return snaps, start
 
 
 class PhoneEnv(Environment):
@@ -69,8 +98,7 @@ class PhoneEnv(Environment):
     def _execute(self, call: ToolCall) -> tuple[str, bool]:
         assert self.world is not None
         text, is_error = execute(self.world, call.name, call.arguments)
-        self.snapshots.append(Snapshot(tables=self.world.snapshot(),
-                                       call={"name": call.name, "arguments": call.arguments, "ok": not is_error}))
+        self.snapshots.append(call_snapshot(self.world, call.name, call.arguments, not is_error))
         return text, is_error
 
     def _user_opening(self, task: Task) -> str:
@@ -79,15 +107,13 @@ class PhoneEnv(Environment):
 
     def _user_reply(self, agent_text: str) -> UserTurn:
         assert self.world is not None and self._user is not None
-        self.snapshots.append(Snapshot(tables=self.world.snapshot(), said=agent_text or ""))
+        self.snapshots.append(said_snapshot(self.world, agent_text))
         return self._user.reply(agent_text)
 
     def _score(self) -> tuple[float, dict[str, Any]]:
         st = self._require_state()
         meta = st.task.meta
-        result = score_episode([Milestone.model_validate(x) for x in meta.get("milestones", [])],
-                               [Constraint.model_validate(x) for x in meta.get("minefields", [])],
-                               self.snapshots, self.start)
+        result = score_scenario(meta, self.snapshots, self.start)
         return result["similarity"], {**result, "categories": list(meta.get("categories", [])),
                                       "user": getattr(self._user, "mode", "scripted")}
 

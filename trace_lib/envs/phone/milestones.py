@@ -215,6 +215,12 @@ def best_assignment(milestones: Sequence[Milestone], snaps: Sequence[Snapshot],
     return go(0, ())
 
 
+def score_scenario(meta: dict[str, Any], snaps: Sequence[Snapshot], start: dict[str, Any]) -> dict[str, Any]:
+    """`score_episode` with the milestones and minefields of a scenario's `meta` (as the tasks store them)."""
+    return score_episode([Milestone.model_validate(x) for x in meta.get("milestones", [])],
+                         [Constraint.model_validate(x) for x in meta.get("minefields", [])], snaps, start)
+
+
 def score_episode(milestones: Sequence[Milestone], minefields: Sequence[Constraint], snaps: Sequence[Snapshot],
                   start: dict[str, Any]) -> dict[str, Any]:
     """{similarity, perfect, milestones (each one's matched similarity), minefield (index hit or None),
@@ -228,7 +234,7 @@ def score_episode(milestones: Sequence[Milestone], minefields: Sequence[Constrai
         total, each = best_assignment(milestones, snaps, start)
         similarity = total / len(milestones)
     else:
-        total, each, similarity = 0.0, [], 1.0
+        each, similarity = [], 1.0
     if mine is not None or changed is not None:
         similarity = 0.0
     similarity = round(similarity, 6)

@@ -123,16 +123,18 @@ class Scenario:
     facts: tuple[str, ...] = ()
 
 
-def _enable_steps(world: PhoneWorld, setting: str) -> tuple[list[dict[str, Any]], list[Milestone]]:
-    """Reference calls and milestones that turn `setting` on from the world's state (low battery first)."""
+def _enable_steps(world: PhoneWorld, *settings: str) -> tuple[list[dict[str, Any]], list[Milestone]]:
+    """Reference calls and milestones that turn `settings` on, in order, from the world's state (low
+    battery mode off first)."""
     steps: list[dict[str, Any]] = []
     marks: list[Milestone] = []
     if world.settings["low_battery_mode"]:
         steps.append(call("set_low_battery_mode_status", on=False))
         marks.append(m(Constraint(kind="setting", values={"low_battery_mode": False})))
-    if not world.settings[setting]:
-        steps.append(call(f"set_{SETTING_TOOLS[setting]}_status", on=True))
-        marks.append(m(Constraint(kind="setting", values={setting: True})))
+    for setting in settings:
+        if not world.settings[setting]:
+            steps.append(call(f"set_{SETTING_TOOLS[setting]}_status", on=True))
+            marks.append(m(Constraint(kind="setting", values={setting: True})))
     return steps, marks
 
 
@@ -398,11 +400,7 @@ def _nearby_place(rng: random.Random, level: int) -> Scenario:
         _switch_off(world, "location_service", battery=True)
     else:
         world.settings["location_service"] = False
-    low, marks = _enable_steps(world, "location_service")
-    wifi_steps: list[dict[str, Any]] = []
-    if not world.settings["wifi"]:
-        wifi_steps = [call("set_wifi_status", on=True)]
-        marks.append(m(Constraint(kind="setting", values={"wifi": True})))
+    steps, marks = _enable_steps(world, "location_service", "wifi")
     return Scenario(
         opening=rng.choice([f"What's the closest {kind} to me?", f"Find the nearest {kind}, what is it called?"]),
         instruction=f"The user asks for the nearest {kind} (location services off"
@@ -411,7 +409,7 @@ def _nearby_place(rng: random.Random, level: int) -> Scenario:
         world=world,
         milestones=chain(*marks, m(c_call("search_places")),
                          m(Constraint(kind="said", facts=[nearest["name"]]))),
-        reference=[*low, *wifi_steps, call("search_places", query=kind),
+        reference=[*steps, call("search_places", query=kind),
                    say(f"The nearest {kind} is {nearest['name']}, {nearest['distance_km']} km away.")],
         categories=("multiple_tool_call", "single_user_turn", "state_dependency"),
         tags=("state_dependency_resolution", "communicate_result"), facts=(nearest["name"],))

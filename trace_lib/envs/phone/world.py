@@ -163,6 +163,11 @@ def tool_kinds() -> dict[str, str]:
 
 
 @lru_cache(maxsize=1)
+def _specs_by_name() -> dict[str, ToolSpec]:
+    return {t.name: t for t in phone_tool_specs()}
+
+
+@lru_cache(maxsize=1)
 def load_places() -> tuple[dict[str, Any], ...]:
     """The shipped place dataset: {name, kind, address, phone_number, rating, distance_km}."""
     return tuple(json.loads(PLACES_PATH.read_text(encoding="utf-8")))
@@ -393,7 +398,7 @@ _HANDLERS = _handlers()
 
 def execute(world: PhoneWorld, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
     """Run one tool call on `world` (changing it in place); a refusal is an error observation."""
-    specs = {t.name: t for t in phone_tool_specs()}
+    specs = _specs_by_name()
     if name not in specs:
         return f"Error: unknown tool '{name}'", True
     if not isinstance(arguments, dict):
