@@ -117,11 +117,12 @@ def mcnemar(a: Sequence[bool | int] | np.ndarray, b: Sequence[bool | int] | np.n
 
 
 # --- trajectories ------------------------------------------------------------------------------------
-def task_outcomes(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Task id -> mean success over its samples (0/1 with one sample per task)."""
+def task_outcomes(trajs: Sequence[Trajectory],
+                  value: Callable[[Trajectory], float] = lambda t: float(t.success)) -> dict[str, float]:
+    """Task id -> mean `value` (default: success, 0/1 with one sample per task) over its samples."""
     by_task: dict[str, list[float]] = defaultdict(list)
     for t in trajs:
-        by_task[t.task_id].append(float(t.success))
+        by_task[t.task_id].append(value(t))
     return {k: sum(v) / len(v) for k, v in sorted(by_task.items())}
 
 
@@ -156,10 +157,7 @@ def rate_row(trajs: Sequence[Trajectory], n_boot: int = 2000, level: float = 0.9
     outcomes = list(task_outcomes(trajs).values())
     k, n = sum(t.success for t in trajs), len(trajs)
     lo, hi = bootstrap_ci(outcomes, n_boot, level, seed)
-    by_task: dict[str, list[float]] = defaultdict(list)
-    for t in trajs:
-        by_task[t.task_id].append(t.reward)
-    rewards = [sum(v) / len(v) for _, v in sorted(by_task.items())]
+    rewards = list(task_outcomes(trajs, lambda t: t.reward).values())
     r_lo, r_hi = bootstrap_ci(rewards, n_boot, level, seed)
     w_lo, w_hi = wilson_interval(k, n)
     turns = sum(t.turns for t in trajs)
