@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env repro test test-fast lab clean-env
+.PHONY: env repro phone test test-fast lab clean-env
 
 env: $(STAMP)
 
@@ -27,6 +27,12 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 
 repro: env
 	$(BIN)/dvc repro
+
+# The whole pipeline again on the phone environment (CPU default sizes) into sweeps/phone, then the
+# report once more: its Table 1 across environments shows the phone block beside the retail one.
+phone: repro
+	$(BIN)/python -m trace_lib.sweep notebooks/0[1-7]_*.ipynb --set env.name=phone --root sweeps/phone
+	$(BIN)/dvc repro --force --single-item report
 
 test: env
 	$(BIN)/python -m pytest

@@ -17,7 +17,10 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from trace_lib.config import Params, load_params
+from trace_lib.evaluation.tables import EnvBlock, environments_table
 from trace_lib.stages.report import (
+    environment_blocks,
+    environments_markdown,
     export_notebooks,
     git_commit,
     lock_digest,
@@ -110,8 +113,8 @@ def test_git_commit_is_none_outside_a_checkout(tmp_path: Path):
 
 def test_run_report_writes_index_and_metrics(tree: Path):
     metrics = run_report(load_params(tree / "params.yaml"), tree)
-    assert metrics == {"notebooks": 2, "exported": ["00_alpha", "01_beta"], "tables": 3, "metrics_files": 1,
-                       "figures": 2}
+    assert metrics == {"notebooks": 2, "exported": ["00_alpha", "01_beta"], "tables": 4, "metrics_files": 1,
+                       "figures": 2}  # the three above and Table 1 across environments (params.yaml names the phone)
     assert json.loads((tree / "reports" / "metrics" / "report.json").read_text()) == metrics
     page = (tree / "reports" / "index.html").read_text()
     for link in ('href="html/00_alpha.html"', 'href="html/01_beta.html"', 'href="notebooks/08_report.ipynb"'):
@@ -136,6 +139,107 @@ def test_run_report_with_nothing_upstream(tmp_path: Path):
     assert (tmp_path / "reports" / "html").is_dir()
     page = (tmp_path / "reports" / "index.html").read_text()
     assert "(no params.yaml)" in page and "no dvc.lock" in page and "<h2 id=\"tables\">" not in page
+
+
+# --- Table 1 across environments ---------------------------------------------------------------------
+CSV_HEAD = ("method,key,column,status,n,successes,success_rate,ci_low,ci_high,mean_reward,reward_ci_low,"
+            "reward_ci_high,rollouts,reason\n")
+
+
+def table1_csv(rows: list[tuple]) -> str:
+    """table1.csv as the evaluate stage writes it: (label, key, status, n, successes, mean reward, rollouts)."""
+    lines = []
+    for label, key, status, n, k, reward, rollouts in rows:
+        rate = "" if n is None else k / n
+        lines.append(f"{label},{key},fam,{status},{n or ''},{k if n else ''},{rate},{rate},{rate},{reward or ''},"
+                     f"{reward or ''},{reward or ''},{rollouts if rollouts is not None else ''},\n")
+        lines.append(f"{label},{key},overall,{status},{n or ''},{k if n else ''},{rate},"
+                     f"{'' if n is None else max(0.0, rate - 0.1)},{'' if n is None else min(1.0, rate + 0.1)},"
+                     f"{'' if reward is None else reward},{'' if reward is None else reward / 2},"
+                     f"{'' if reward is None else reward * 1.5},{rollouts if rollouts is not None else ''},"
+                     f"{'why' if status != 'run' else ''}\n")
+    return CSV_HEAD + "".join(lines)
+
+
+def write_run(root: Path, env: str, rows: list[tuple], graded: bool) -> None:
+    (root / "reports" / "tables").mkdir(parents=True, exist_ok=True)
+    (root / "reports" / "metrics").mkdir(parents=True, exist_ok=True)
+    (root / "reports" / "tables" / "table1.csv").write_text(table1_csv(rows))
+    (root / "reports" / "metrics" / "evaluate.json").write_text(
+        json.dumps({"envs": [env], "graded_envs": [env] if graded else []}))
+
+
+RETAIL_ROWS = [("base", "base", "run", 14, 2, 1 / 7, 0), ("GRPO on target", "grpo_target", "not run", None, 0, None, None),
+               ("TRACE (argmax)", "trace_argmax", "run", 14, 4, 2 / 7, 60)]
+PHONE_ROWS = [("base", "base", "run", 32, 1, 0.05, 0), ("TRACE (argmax)", "trace_argmax", "run", 32, 3, 0.125, 44),
+              ("oracle routing", "oracle_route", "run", 32, 2, 0.1, 44)]
+
+
+def test_environments_table_puts_each_environment_beside_the_others(tmp_path: Path):
+    import pandas as pd
+
+    write_run(tmp_path / "r", "retail", RETAIL_ROWS, graded=False)
+    write_run(tmp_path / "p", "phone", PHONE_ROWS, graded=True)
+    blocks = [EnvBlock("retail", "this run", pd.read_csv(tmp_path / "r/reports/tables/table1.csv")),
+              EnvBlock("phone", "sweeps/phone", pd.read_csv(tmp_path / "p/reports/tables/table1.csv"), graded=True),
+              EnvBlock("tau2-airline", "sweeps/air", None, reason="missing")]
+    table = environments_table(blocks)
+    assert list(table.columns) == [
+        "method", "retail: success % [95% CI] (k/n)", "retail: rollouts", "phone: perfect % [95% CI] (k/n)",
+        "phone: mean reward [95% CI]", "phone: rollouts", "tau2-airline: success % [95% CI] (k/n)",
+        "tau2-airline: rollouts"]
+    rows = {r["method"]: r for r in table.to_dict("records")}
+    assert list(rows) == ["base", "GRPO on target", "TRACE (argmax)", "oracle routing"]  # first block's order first
+    assert rows["base"]["retail: success % [95% CI] (k/n)"] == "14.3 [4.3, 24.3] (2/14)"
+    assert rows["TRACE (argmax)"]["phone: perfect % [95% CI] (k/n)"] == "9.4 [0.0, 19.4] (3/32)"
+    assert rows["TRACE (argmax)"]["phone: mean reward [95% CI]"] == "0.125 [0.062, 0.188]"
+    assert rows["TRACE (argmax)"]["phone: rollouts"] == "44" and rows["TRACE (argmax)"]["retail: rollouts"] == "60"
+    assert rows["GRPO on target"]["retail: success % [95% CI] (k/n)"] == "not run"
+    assert rows["GRPO on target"]["phone: perfect % [95% CI] (k/n)"] == "not in that run"
+    assert rows["oracle routing"]["retail: success % [95% CI] (k/n)"] == "not in that run"
+    assert rows["base"]["tau2-airline: success % [95% CI] (k/n)"] == "no run"
+
+
+def test_report_reads_the_other_runs_named_in_params(tmp_path: Path):
+    write_run(tmp_path, "retail", RETAIL_ROWS, graded=False)
+    write_run(tmp_path / "sweeps" / "phone", "phone", PHONE_ROWS, graded=True)
+    write_run(tmp_path / "elsewhere", "retail", RETAIL_ROWS, graded=False)
+    params = Params.model_validate({"report": {"environments": {
+        "phone": "sweeps/phone", "tau2-retail": "missing", "tau2-airline": str(tmp_path / "elsewhere"),
+        "retail": "ignored: this run is the retail block"}}})
+    blocks = environment_blocks(params, tmp_path)
+    assert [(b.env, b.source, b.rows is not None, b.graded) for b in blocks] == [
+        ("retail", "this run", True, False), ("phone", "sweeps/phone", True, True),
+        ("tau2-retail", "missing", False, False), ("tau2-airline", str(tmp_path / "elsewhere"), False, False)]
+    assert blocks[2].reason == "missing: no reports/tables/table1.csv (has its evaluate stage run?)"
+    assert blocks[3].reason.endswith("evaluated on ['retail'], not ['tau2-airline']")
+    text = environments_markdown(blocks)
+    assert text.startswith("# Table 1 across environments\n")
+    assert "phone: sweeps/phone; tau2-retail: missing (not shown: missing: no reports/tables/table1.csv" in text
+    assert "| TRACE (argmax) | 28.6 [18.6, 38.6] (4/14) | 60 | 9.4 [0.0, 19.4] (3/32) | 0.125 [0.062, 0.188] | 44 |" in text
+
+    run_report(params, tmp_path)
+    page = (tmp_path / "reports" / "index.html").read_text()
+    assert 'id="table-environments"' in page and "9.4 [0.0, 19.4] (3/32)" in page
+
+
+def test_no_environments_table_without_any_evaluation(tmp_path: Path):
+    (tmp_path / "reports" / "tables").mkdir(parents=True)
+    (tmp_path / "reports" / "tables" / "environments.md").write_text("stale")
+    run_report(Params(), tmp_path)
+    assert not (tmp_path / "reports" / "tables" / "environments.md").exists()
+
+
+def test_report_environments_are_the_registry_and_a_typo_is_named():
+    import typing
+
+    from trace_lib.config import ConfigError, ReportConfig, params_from_dict
+    from trace_lib.envs import env_names
+
+    key_type = typing.get_args(ReportConfig.model_fields["environments"].annotation)[0]
+    assert sorted(typing.get_args(key_type)) == env_names()
+    with pytest.raises(ConfigError, match="report.environments.phon"):
+        params_from_dict({"report": {"environments": {"phon": "sweeps/phone"}}}, "params.yaml")
 
 
 # --- in a browser ------------------------------------------------------------------------------------

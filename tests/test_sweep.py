@@ -100,6 +100,51 @@ def test_cli_dry_run_lists_runs(tmp_path: Path, capsys):
     assert not (tmp_path / "s").exists()
 
 
+def test_cli_root_takes_one_point(tmp_path: Path, capsys):
+    main([str(ROLLOUT_NB), "--set", "env.name=phone", "--root", str(tmp_path / "phone"),
+          "--params", str(REPO / "params.yaml"), "--dry-run"])
+    assert capsys.readouterr().out.splitlines() == [f"{tmp_path / 'phone'}: {{'env.name': 'phone'}}"]
+    with pytest.raises(SystemExit) as exc:
+        main([str(ROLLOUT_NB), "--set", "seed=0,1", "--root", str(tmp_path / "x"), "--params",
+              str(REPO / "params.yaml"), "--dry-run"])
+    assert exc.value.code == 2 and "--root takes a grid of one point, not 2" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="one grid point, not 2"):
+        run_sweep(ROLLOUT_NB, {"seed": [0, 1]}, tmp_path / "x", params_path=REPO / "params.yaml", as_root=True)
+
+
+def stage_notebook(path: Path, stage: str) -> Path:
+    """A stand-in stage notebook: reads what the stage before wrote under `root`, writes its own metrics."""
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    params = new_code_cell('params_path = "params.yaml"\noverrides = {}\nroot = "."')
+    params.metadata["tags"] = ["parameters"]
+    body = new_code_cell(
+        "import json, pathlib\n"
+        "m = pathlib.Path(root) / 'reports' / 'metrics'\n"
+        "m.mkdir(parents=True, exist_ok=True)\n"
+        "before = sorted(p.stem for p in m.glob('*.json'))\n"
+        f"(m / '{stage}.json').write_text(json.dumps({{'before': before, 'env': overrides['env.name']}}))\n")
+    nb = new_notebook(cells=[params, body], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                      "language": "python"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb))
+    return path
+
+
+def test_several_notebooks_run_in_order_under_one_root(tmp_path: Path):
+    """A pipeline on another setting: each stage sees the one before it under the same root."""
+    first = stage_notebook(tmp_path / "nb" / "01_alpha.ipynb", "alpha")
+    second = stage_notebook(tmp_path / "nb" / "02_beta.ipynb", "beta")
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    table = run_sweep([first, second], {"env.name": ["phone"]}, "sweeps/phone", params_path="params.yaml",
+                      cwd=tmp_path, as_root=True)
+    assert table == tmp_path / "sweeps/phone/sweep.csv"
+    rows = list(csv.DictReader(table.open()))
+    assert rows == [{"run": "env.name=phone", "env.name": "phone", "alpha.before": "[]", "alpha.env": "phone",
+                     "beta.before": '["alpha"]', "beta.env": "phone"}]
+    assert (tmp_path / "sweeps/phone/01_alpha.ipynb").is_file() and (tmp_path / "sweeps/phone/02_beta.ipynb").is_file()
+
+
 # --- end to end: papermill sweep and dvc experiments on the tiny model --------------------------------
 
 def tiny_params(model_id: str, out_dir: str = "data/model") -> dict:

@@ -449,6 +449,17 @@ class ScalingConfig(Section):
     papermill sweep root) whose TRACE episodes fill that row; rows without one say how to run them."""
 
 
+class ReportConfig(Section):
+    """The report page (stage `report`)."""
+
+    # the names of trace_lib.envs' registry (a test checks they agree)
+    environments: dict[Literal["phone", "retail", "tau2-airline", "tau2-retail"], str] = Field(default_factory=dict)
+    """Environment -> root folder of another run of this pipeline with `env.name` set to it (`make phone`
+    writes sweeps/phone): its Table 1 becomes a block beside this run's in reports/tables/environments.md,
+    as the paper's Table 1 shows τ²-bench and ToolSandbox side by side. A root without a Table 1 is
+    shown as not run, saying why."""
+
+
 class Params(Section):
     profile: Literal["cpu", "gpu", "paper"] = "cpu"
     """Size switch: 'cpu' (SmolLM2 on 2 cores, minutes), 'gpu' (SmolLM2 on one GPU, the GPU reference's
@@ -466,6 +477,7 @@ class Params(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
 
 
 # Values a profile sets when params.yaml does not. The file's own values win, and `load_params` warns

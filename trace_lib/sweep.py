@@ -15,6 +15,13 @@ are shared by all runs; only outputs are separated. Not part of the paper: a too
 
 A `--set` key with one value applies to every run and stays out of the run names; `--dry-run`
 validates the grid and lists the runs without running them.
+
+Several notebooks run in the order given, all with the run's root, so a whole pipeline can run on
+another setting beside the repo's own (each stage reads what the one before wrote under that root); the
+table then prefixes each stage's metrics with `<stage>.`. `--root DIR` names the folder of a sweep of
+one point (its table is `DIR/sweep.csv`):
+
+    python -m trace_lib.sweep notebooks/0[1-7]_*.ipynb --set env.name=phone --root sweeps/phone
 """
 
 from __future__ import annotations
@@ -126,6 +133,15 @@ def table_row(run: SweepRun, metrics: Mapping[str, Any], stage: str) -> dict[str
     return row
 
 
+def pipeline_row(run: SweepRun, metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The CSV row of a run of several stages: its name, its overrides, then each stage's metrics as
+    `<stage>.<key>`."""
+    row: dict[str, Any] = {"run": run.name, **run.overrides}
+    for stage, data in metrics.items():
+        row.update(flatten(data, f"{stage}."))
+    return row
+
+
 def write_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """Write rows as CSV (columns in order of first appearance), atomically."""
     columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -138,51 +154,69 @@ def write_table(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
 
 
 def run_sweep(
-    notebook: str | Path,
+    notebook: str | Path | Sequence[str | Path],
     grid: Mapping[str, Sequence[Any]],
     out: str | Path,
     params_path: str | Path = "params.yaml",
     kernel_name: str = "python3",
     cwd: str | Path | None = None,
     log_output: bool = False,
+    as_root: bool = False,
 ) -> Path:
-    """Run `notebook` once per grid point with papermill; returns the path of `<out>/sweep.csv`.
+    """Run the notebook(s) once per grid point with papermill; returns the path of `<out>/sweep.csv`.
 
-    Each run gets `params_path`, its `overrides` and `root=<out>/<name>`. Relative paths (these, the
-    notebook's, and those in params such as `model.out_dir`) are taken from `cwd` (default: the current
-    directory), where the kernel runs: the repo root, where the stage's inputs are. A failing run
-    raises papermill's error (its executed notebook shows where) after writing the rows before it.
+    Each run gets `params_path`, its `overrides` and `root=<out>/<name>` (`root=<out>` when `as_root`,
+    which takes a grid of one point); several notebooks run in the order given with the same root.
+    Relative paths (these, the notebooks', and those in params such as `model.out_dir`) are taken from
+    `cwd` (default: the current directory), where the kernel runs: the repo root, where the stages'
+    inputs are. A failing run raises papermill's error (its executed notebook shows where) after writing
+    the rows before it.
     """
+    notebooks = [notebook] if isinstance(notebook, (str, Path)) else list(notebook)
+    if not notebooks:
+        raise ValueError("no notebook to run")
     runs = expand_grid(grid)
+    if as_root and len(runs) != 1:
+        raise ValueError(f"a sweep into one root folder takes one grid point, not {len(runs)}")
     base = Path(cwd or ".")
     validate_runs(runs, base / params_path)
     import papermill  # slow to import: only once the grid is known to be valid
-    stage, out = stage_name(notebook), Path(out)
+    out = Path(out)
     rows: list[dict[str, Any]] = []
     table = base / out / "sweep.csv"
     for i, run in enumerate(runs, 1):
-        root = out / run.name
+        root = out if as_root else out / run.name
         (base / root).mkdir(parents=True, exist_ok=True)
-        print(f"[{i}/{len(runs)}] {run.name}", flush=True)
+        print(f"[{i}/{len(runs)}] {root}", flush=True)
         start = time.perf_counter()
-        papermill.execute_notebook(
-            str(base / notebook), str(base / root / Path(notebook).name),
-            parameters={"params_path": str(params_path), "overrides": run.overrides, "root": str(root)},
-            kernel_name=kernel_name, progress_bar=False, log_output=log_output, cwd=str(base),
-        )
-        metrics_file = Paths(base / root).metrics(stage)
-        rows.append(table_row(run, read_json(metrics_file) if metrics_file.is_file() else {}, stage))
+        metrics: dict[str, dict[str, Any]] = {}
+        for nb in notebooks:
+            papermill.execute_notebook(
+                str(base / nb), str(base / root / Path(nb).name),
+                parameters={"params_path": str(params_path), "overrides": run.overrides, "root": str(root)},
+                kernel_name=kernel_name, progress_bar=False, log_output=log_output, cwd=str(base),
+            )
+            stage = stage_name(nb)
+            metrics_file = Paths(base / root).metrics(stage)
+            metrics[stage] = read_json(metrics_file) if metrics_file.is_file() else {}
+            if len(notebooks) > 1:
+                print(f"[{i}/{len(runs)}] {stage} done at {time.perf_counter() - start:.0f} s", flush=True)
+        rows.append(table_row(run, metrics[stage_name(notebooks[0])], stage_name(notebooks[0]))
+                    if len(notebooks) == 1 else pipeline_row(run, metrics))
         write_table(rows, table)
-        print(f"[{i}/{len(runs)}] {run.name} done in {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"[{i}/{len(runs)}] {root} done in {time.perf_counter() - start:.0f} s", flush=True)
     return table
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebook", help="stage notebook, e.g. notebooks/01_rollout.ipynb")
+    parser.add_argument("notebooks", nargs="+", metavar="notebook",
+                        help="stage notebook(s), e.g. notebooks/01_rollout.ipynb; several run in order per point")
     parser.add_argument("--set", dest="sets", action="append", required=True, metavar="KEY=V1[,V2...]",
                         help="dotted params key and its values; repeat for a grid (one value: fixed for all runs)")
-    parser.add_argument("--out", required=True, help="sweep folder: one subfolder per run, plus sweep.csv")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="sweep folder: one subfolder per run, plus sweep.csv")
+    where.add_argument("--root", help="the run's own folder (a grid of one point), plus sweep.csv")
     parser.add_argument("--params", default="params.yaml", help="params file every run starts from")
     parser.add_argument("--kernel", default="python3", help="Jupyter kernel name")
     parser.add_argument("--log-output", action="store_true", help="stream the notebooks' output")
@@ -197,14 +231,17 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"{key}: given twice")
             grid[key] = values
         runs = expand_grid(grid)
+        if args.root and len(runs) != 1:
+            raise ValueError(f"--root takes a grid of one point, not {len(runs)}; use --out")
         validate_runs(runs, args.params)
     except ValueError as err:  # ConfigError is a ValueError
         parser.exit(2, f"error: {err}\n")
     if args.dry_run:
         for run in runs:
-            print(f"{Path(args.out) / run.name}: {run.overrides}")
+            print(f"{Path(args.root) if args.root else Path(args.out) / run.name}: {run.overrides}")
         return
-    table = run_sweep(args.notebook, grid, args.out, args.params, args.kernel, log_output=args.log_output)
+    table = run_sweep(args.notebooks, grid, args.root or args.out, args.params, args.kernel,
+                      log_output=args.log_output, as_root=bool(args.root))
     print(f"wrote {table}")
 
 

@@ -286,6 +286,68 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n".join([head, rule, *body]) + "\n"
 
 
+# --- Table 1 across environments ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class EnvBlock:
+    """One environment's Table 1 (a run's table1.csv, as `table1_long` wrote it) and where it came from."""
+
+    env: str
+    source: str
+    """'this run', or the root folder of the other run."""
+    rows: pd.DataFrame | None
+    """None when that run has no Table 1 (`reason` says why)."""
+    graded: bool = False
+    """Whether the environment's reward is graded (its block then shows the mean reward too)."""
+    reason: str = ""
+
+
+def _count(v: Any) -> int:
+    return int(round(float(v)))
+
+
+def env_block_cells(block: EnvBlock, key: str) -> tuple[str, str, str]:
+    """(rate cell, mean-reward cell, rollouts) of method `key` in one environment's block."""
+    if block.rows is None:
+        return "no run", "no run", EMPTY
+    found = block.rows[(block.rows["key"] == key) & (block.rows["column"] == "overall")]
+    if found.empty:
+        return "not in that run", EMPTY, EMPTY
+    r = found.iloc[0]
+    rollouts = EMPTY if pd.isna(r["rollouts"]) else str(_count(r["rollouts"]))
+    if r["status"] != "run" or pd.isna(r["n"]) or not _count(r["n"]):
+        return "not run", "not run", rollouts
+    rate = (f"{100 * r['success_rate']:.1f} [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}] "
+            f"({_count(r['successes'])}/{_count(r['n'])})")
+    reward = EMPTY if pd.isna(r["mean_reward"]) else (
+        f"{r['mean_reward']:.3f} [{r['reward_ci_low']:.3f}, {r['reward_ci_high']:.3f}]")
+    return rate, reward, rollouts
+
+
+def environments_table(blocks: Sequence[EnvBlock]) -> pd.DataFrame:
+    """The paper's Table 1 across environments: one row per method (in the first block's order, then any
+    method only a later block has), per environment its overall success % with the 95% CI and k/n
+    ('perfect' on a graded environment, whose mean reward follows), and the rollouts behind it."""
+    methods: dict[str, str] = {}
+    for block in blocks:
+        if block.rows is not None:
+            for key, label in zip(block.rows["key"], block.rows["method"]):
+                methods.setdefault(str(key), str(label))
+    columns = ["method"]
+    for block in blocks:
+        columns.append(f"{block.env}: {'perfect' if block.graded else 'success'} % [95% CI] (k/n)")
+        if block.graded:
+            columns.append(f"{block.env}: mean reward [95% CI]")
+        columns.append(f"{block.env}: rollouts")
+    rows = []
+    for key, label in methods.items():
+        cells: list[str] = [label]
+        for block in blocks:
+            rate, reward, rollouts = env_block_cells(block, key)
+            cells += [rate, reward, rollouts] if block.graded else [rate, rollouts]
+        rows.append(cells)
+    return pd.DataFrame(rows, columns=columns)
+
+
 # --- records -----------------------------------------------------------------------------------------
 def eval_results(runs: Sequence[MethodRun], env: str, split: str) -> list[EvalResult]:
     """One EvalResult per method that ran (per-family numbers in `by_group`)."""

@@ -316,7 +316,7 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
     save_figure(routing_confusion(quality), paths.figure("evaluate_routing_confusion"))
 
     metrics: dict[str, Any] = {
-        "split": cfg.split, "envs": env_names, "tasks": len(tasks), "trace_budget": budget,
+        "split": cfg.split, "envs": env_names, "graded_envs": graded_envs, "tasks": len(tasks), "trace_budget": budget,
         "methods": {r.key: {"label": r.label, "status": "run" if r.ran else "not run", "reason": r.reason,
                             "rollouts": r.budget, "budget_source": r.budget_source,
                             **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base")} if r.ran else {})}

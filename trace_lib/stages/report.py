@@ -3,7 +3,10 @@
 Reads   reports/notebooks/*.ipynb (each stage's executed notebook), reports/tables/*.md,
         reports/metrics/*.json, reports/figures/*.png, params.yaml and dvc.lock (plus the git commit,
         when there is one).
-Writes  reports/html/<name>.html, each executed notebook as self-contained HTML (images embedded, no
+Writes  reports/tables/environments.md: Table 1 across environments, this run's block beside those of the
+        other runs named in `report.environments` (their reports/tables/table1.csv and
+        reports/metrics/evaluate.json; not DVC deps, as for `scaling.ablation_runs`);
+        reports/html/<name>.html, each executed notebook as self-contained HTML (images embedded, no
         script or stylesheet fetched from a CDN); reports/index.html, the params, a fingerprint of the
         pipeline, links to the notebooks, the tables, metrics and figures inline, with relative links
         only; reports/metrics/report.json (counts).
@@ -23,17 +26,19 @@ from typing import Any
 from urllib.parse import quote
 
 import jinja2
+import pandas as pd
 import mistune
 import nbformat
 import yaml
 from nbconvert import HTMLExporter
 
 from trace_lib.config import Params
+from trace_lib.evaluation.tables import EnvBlock, environments_table, markdown
 from trace_lib.io import atomic_write_text, write_json
 from trace_lib.paths import Paths
 
 SELF = "08_report"  # the notebook running this stage: still executing, so it cannot be exported
-TABLE_ORDER = ("table1", "routing", "interference", "capabilities", "scaling", "ablations")
+TABLE_ORDER = ("table1", "environments", "routing", "interference", "capabilities", "scaling", "ablations")
 
 # JupyterLab's template, less the blocks that load require.js, MathJax, mermaid and widgets from a CDN:
 # the notebooks hold no widgets or diagrams, and their formulas are written in Unicode.
@@ -185,6 +190,44 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
     return "\n".join(parts) + "\n"
 
 
+def env_block(env: str, root: Path, source: str) -> EnvBlock:
+    """One environment's Table 1 block from a run's root (this one or another), or why there is none."""
+    paths = Paths(root)
+    table, metrics = paths.table("table1", ".csv"), paths.metrics("evaluate")
+    if not table.is_file() or not metrics.is_file():
+        missing = "reports/tables/table1.csv" if not table.is_file() else "reports/metrics/evaluate.json"
+        return EnvBlock(env, source, None, reason=f"{source}: no {missing} (has its evaluate stage run?)")
+    info = json.loads(metrics.read_text(encoding="utf-8"))
+    if info.get("envs") != [env]:
+        return EnvBlock(env, source, None, reason=f"{source}: evaluated on {info.get('envs')}, not [{env!r}]")
+    return EnvBlock(env, source, pd.read_csv(table), graded=env in info.get("graded_envs", []))
+
+
+def environment_blocks(params: Params, root: Path) -> list[EnvBlock]:
+    """This run's block first, then one per `report.environments` entry (relative roots from `root`)."""
+    blocks = [env_block(params.env.name, root, "this run")]
+    for env, other in params.report.environments.items():
+        if env == params.env.name:
+            continue  # this run is that environment's block
+        where = Path(other)
+        blocks.append(env_block(env, where if where.is_absolute() else root / where, other))
+    return blocks
+
+
+def environments_markdown(blocks: list[EnvBlock]) -> str:
+    """reports/tables/environments.md: the table, where each block comes from, and the missing ones' reasons."""
+    sources = "; ".join(f"{b.env}: {b.source}" + (f" (not shown: {b.reason})" if b.rows is None else "")
+                        for b in blocks)
+    note = ("Each block is one run of the pipeline on that environment (its own discovered capabilities, "
+            "adapters and test split), read from the run's reports/tables/table1.csv: overall success % on "
+            "the test split with 95% bootstrap intervals over tasks and successes/tasks; on a graded "
+            "environment success means a perfect score and the mean reward (milestone similarity) follows; "
+            "rollouts = training episodes behind the method. Runs: " + sources + ". Another environment's "
+            "block comes from `report.environments` in params.yaml (e.g. `{phone: sweeps/phone}`, which "
+            "`make phone` fills).")
+    return "# Table 1 across environments\n\n" + note + "\n\n" + markdown(environments_table(blocks))
+
+
 def run_report(params: Params, root: Path = Path("."), *, params_path: str | Path | None = None,
                overrides: dict[str, Any] | None = None, self_name: str = SELF) -> dict[str, Any]:
     """Export the executed notebooks, write reports/index.html and reports/metrics/report.json.
@@ -195,6 +238,11 @@ def run_report(params: Params, root: Path = Path("."), *, params_path: str | Pat
     params_path = Path(params_path) if params_path is not None else Path(root) / "params.yaml"
     params_text = params_path.read_text(encoding="utf-8") if params_path.is_file() else ""
     notebooks = export_notebooks(paths.notebooks, paths.html, exclude=(self_name,))
+    blocks = environment_blocks(params, Path(root))
+    if any(b.rows is not None for b in blocks) or params.report.environments:
+        atomic_write_text(paths.table("environments"), environments_markdown(blocks))
+    else:  # nothing evaluated anywhere: no table, and none left over from an earlier run
+        paths.table("environments").unlink(missing_ok=True)
     tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted(paths.tables.glob("*.md"))}
     # report.json is this stage's own output: quoting last run's counts would make the page drift.
     own = paths.metrics("report")
