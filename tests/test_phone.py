@@ -424,6 +424,22 @@ def test_a_phone_rubric_scores_like_the_environment(tasks):
     assert sum(info["milestones"]) / len(info["milestones"]) == pytest.approx(reward)
 
 
+def test_a_phone_rubric_is_zero_where_the_environment_is_for_an_unrequested_change(tasks):
+    """A change to a table no milestone names zeroes the phone's score; the rubric's gate agrees."""
+    from trace_lib import synth_sdk
+    from trace_lib.synth.rubric import rubric_score
+
+    task = _only(tasks, "send_message")[0]
+    ref = task.meta["reference"]
+    env = make_env(CFG)
+    reward, info = play_steps(env, task, [*ref[:-1], MEDDLE, ref[-1]])
+    assert reward == 0.0 and info["changed"] == "reminders"
+    messages = [m.model_dump(mode="json") for m in env.state.messages]
+    verdict = synth_sdk.phone_rubric({"messages": messages}, task.meta)
+    assert all(v == 1.0 for v in verdict["steps"].values()) and verdict["gates"] == {"no_minefield": False}
+    assert rubric_score(verdict["steps"], verdict["gates"]) == reward
+
+
 def test_category_table_counts_perfect_episodes_per_category(tasks):
     from trace_lib.envs.phone.summary import category_table
 

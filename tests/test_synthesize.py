@@ -74,6 +74,40 @@ def test_llm_synthesizer_feeds_validation_errors_back_until_valid(tmp_path):
     assert (tmp_path / "data/envs/communicate_result/env.py").read_text() == GOOD.strip() + "\n"
 
 
+def test_llm_synthesizer_on_the_phone_gets_the_phone_sdk_and_its_module_validates(tmp_path):
+    """The phone target has no database: the prompt describes its worlds, dependencies and milestones, and
+    a module written against the SDK's phone part (phone_world / phone_call / phone_rubric) is installed."""
+    phone_module = (FIXTURES / "phone_blocked_text.py").read_text()
+    params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "phone"},
+                               "synthesize": {"backend": "anthropic", "max_attempts": 1}})
+    with FakeMessagesAPI([(200, _message(f"```python\n{phone_module}```"))]) as api:
+        client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
+                           base_url=api.url, api_key="k", max_retries=0)
+        manifest = synthesize_env(_cap("state_dependency_resolution"), "anthropic", params, tmp_path, client=client)
+    assert manifest.valid and manifest.target_env == "phone", manifest.reason
+    system = api.requests[0]["system"][0]["text"]
+    assert "an assistant acting on the user's phone" in system and "phone_rubric(trajectory, meta)" in system
+    assert "sending a message needs cellular on" in system and "target_db" not in system
+    assert "{{" not in system
+    assert "set_cellular_service_status" in api.requests[0]["messages"][0]["content"]  # the phone's tools
+
+
+def test_the_retail_prompt_keeps_the_database_sdk():
+    from trace_lib.synth.synthesize import llm_prompt
+
+    system, _ = llm_prompt(_cap("communicate_result"), {"name": "retail", "tools": "core"},
+                           {"get_order_details": "read"}, "policy", [])
+    assert "a customer-service agent" in system and "target_db(TARGET)" in system and "phone_rubric" not in system
+    assert "{{" not in system
+
+
+def test_phone_rubric_names_what_a_task_lacks():
+    from trace_lib import synth_sdk
+
+    with pytest.raises(ValueError, match=r"lacks \['world'\]"):
+        synth_sdk.phone_rubric({"messages": []}, {"milestones": []})
+
+
 def test_llm_synthesizer_gives_up_after_max_attempts_with_the_reason(tmp_path):
     broken = "```python\ndef generate_task(:\n```"
     params = _params(backend="anthropic", max_attempts=2)

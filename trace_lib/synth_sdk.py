@@ -34,6 +34,11 @@ The module contract (checked by `trace_lib.synth.validate.validate_env`, driven 
     solve(task) -> list[dict]            reference actions, replayed against the scripted user:
                                          {"tool": name, "arguments": {...}} or {"say": text}
 
+On the phone target (`TARGET = {"name": "phone", ...}`) there is no shared database: each task carries its
+starting world in `meta["world"]`, and `phone_world(world)`, `phone_call(state, name, arguments)` and
+`phone_rubric(trajectory, meta)` (milestones and minefields in `meta`, scored as the phone scores them)
+stand in for `TargetWorld` and the retail helpers.
+
 A module rendered by the offline template synthesizer binds `template(CAPABILITY, TARGET)` and
 delegates each of these functions to the object it returns (`trace_lib.synth.templates`).
 
@@ -46,13 +51,14 @@ from __future__ import annotations
 from typing import Any
 
 from trace_lib.synth import templates
+from trace_lib.synth.templates_phone import phone_call, phone_rubric, phone_world
 from trace_lib.synth.world import (
     TargetWorld, ToolError, gold_db_hash, gold_world, same_db, said, target_db, target_tool_kinds,
     target_tool_schemas, tool_calls,
 )
 
-__all__ = ["TargetWorld", "ToolError", "gold_db_hash", "gold_world", "same_db", "said", "target_db",
-           "target_tool_kinds", "target_tool_schemas", "template", "tool_calls"]
+__all__ = ["TargetWorld", "ToolError", "gold_db_hash", "gold_world", "phone_call", "phone_rubric", "phone_world",
+           "same_db", "said", "target_db", "target_tool_kinds", "target_tool_schemas", "template", "tool_calls"]
 
 
 def template(capability: str, target: dict[str, Any]) -> templates.BoundTemplate:

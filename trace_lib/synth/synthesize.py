@@ -66,9 +66,13 @@ def extract_module(reply: str) -> str:
 
 def llm_prompt(cap: Capability, target: dict[str, str], tool_kinds: dict[str, str], policy: str,
                examples: Sequence[Trajectory], chars: int = 400) -> tuple[str, str]:
-    """(system, first user message) for the LLM synthesizer."""
+    """(system, first user message) for the LLM synthesizer; the SDK part of the system prompt is the
+    target's (the phone's worlds and milestones, or the retail database)."""
+    phone = target.get("name") == "phone"
     system = load_prompt("synthesize_system.md", capability_id=cap.id, target=repr(target),
-                         allowed_imports=", ".join(sorted(m for m in ALLOWED_IMPORTS if "." not in m)))
+                         allowed_imports=", ".join(sorted(m for m in ALLOWED_IMPORTS if "." not in m)),
+                         agent="an assistant acting on the user's phone" if phone else "a customer-service agent",
+                         sdk=load_prompt("synthesize_sdk_phone.md" if phone else "synthesize_sdk_retail.md").rstrip())
     shown = "\n\n".join(render_trajectory(t, limit=chars) for t in examples) or "(none available)"
     user = load_prompt("synthesize_user.md", capability_id=cap.id, capability_name=cap.name, description=cap.description,
                        recognition=cap.recognition or "(not given)", policy=policy,

@@ -49,6 +49,37 @@ def _families_for(capability: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+# --- the phone target's part of `trace_lib.synth_sdk` (also what the templates below are made of) ------
+def phone_world(world: dict[str, Any]) -> PhoneWorld:
+    """The episode's phone from a scenario's starting world (`meta["world"]`: now, settings, contacts,
+    messages, reminders), a private copy."""
+    return PhoneWorld.from_dict(world)
+
+
+def phone_call(state: PhoneWorld, name: str, arguments: dict[str, Any]) -> str:
+    """Run the target's tool `name` on `state`; a refusal (a setting a tool depends on is off, a bad
+    argument, an unknown id) raises `ToolError` with the phone's own message."""
+    from trace_lib.synth.world import ToolError
+
+    text, is_error = execute(state, name, arguments)
+    if is_error:
+        raise ToolError(text.removeprefix("Error: "))
+    return text
+
+
+def phone_rubric(trajectory: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Score an episode as the phone does (`trace_lib.envs.phone.milestones`): replay its tool calls on
+    `meta["world"]`, match the snapshots to `meta["milestones"]`; each milestone is a rubric step (its
+    similarity) and `meta["minefields"]` (and tables no milestone names staying unchanged) the gate."""
+    missing = [k for k in ("world", "milestones") if k not in meta]
+    if missing:
+        raise ValueError(f"phone_rubric: the task's meta lacks {missing} (the starting world and the milestones)")
+    snaps, start = replay_snapshots(trajectory.get("messages", []), meta["world"])
+    result = score_scenario(meta, snaps, start)
+    steps = {_label(i, x): v for i, (x, v) in enumerate(zip(meta["milestones"], result["milestones"], strict=True))}
+    return rubric(steps, {"no_minefield": result["minefield"] is None and result["changed"] is None})
+
+
 def phone_capabilities() -> list[str]:
     """Capability ids with a phone template, in `trace_lib.capabilities` order."""
     from trace_lib.capabilities import CAPABILITY_TAGS
@@ -101,27 +132,17 @@ class BoundPhoneTemplate:
         return json.loads(json.dumps(out))
 
     def init_state(self, task: dict[str, Any]) -> Any:
-        return PhoneWorld.from_dict(task["meta"]["world"])
+        return phone_world(task["meta"]["world"])
 
     def call_tool(self, state: Any, name: str, arguments: dict[str, Any]) -> str:
-        from trace_lib.synth.world import ToolError
-
-        text, is_error = execute(state, name, arguments)
-        if is_error:
-            raise ToolError(text.removeprefix("Error: "))
-        return text
+        return phone_call(state, name, arguments)
 
     def evaluate(self, trajectory: dict[str, Any], task: dict[str, Any], state: Any) -> int | dict[str, Any]:
         """The milestones as rubric steps, the minefields as a gate; 0 for an episode cut off by a limit."""
         if trajectory.get("termination") in ("max_steps", "max_errors"):
             return 0
         task = task.model_dump(mode="json") if hasattr(task, "model_dump") else task
-        meta = task["meta"]
-        snaps, start = replay_snapshots(trajectory.get("messages", []), meta["world"])
-        result = score_scenario(meta, snaps, start)
-        steps = {_label(i, x): v for i, (x, v) in enumerate(zip(meta["milestones"], result["milestones"],
-                                                                strict=True))}
-        return rubric(steps, {"no_minefield": result["minefield"] is None})
+        return phone_rubric(trajectory, task["meta"])
 
     def solve(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         task = task.model_dump(mode="json") if hasattr(task, "model_dump") else task
