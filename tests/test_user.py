@@ -61,6 +61,20 @@ def test_confirmation_follows_scenario(confirm, answer):
     assert "no longer needed" not in turn.content  # a confirmation is not a request for the reason
 
 
+@pytest.mark.parametrize("question,key,value", [
+    ("Who should I send it to?", "recipient", "Priya"),
+    ("What would you like me to say in the message?", "message", "Running late"),
+    ("Okay, when should I set the reminder?", "reminder_time", "tomorrow at 9"),
+    ("Which order would you like me to cancel?", "order_id", "#W1234567"),
+])
+def test_an_open_question_with_a_confirmation_cue_asks_for_a_detail(question, key, value):
+    """'who/what/when should I ...?' wants a detail, not a yes: the user tells it and confirms nothing."""
+    user = ScriptedUser(scenario(known_info={key: value}, reason_for_call="Please send a text for me."))
+    turn = user.reply(question)
+    assert value in turn.content and not turn.content.startswith("Yes") and user.confirmations == 0
+    assert not turn.stop
+
+
 @pytest.mark.parametrize("text", [
     "Your order #W1234567 has been cancelled. The refund takes 5-7 business days.",
     "The status of your order is delivered, which means it has arrived.",

@@ -101,8 +101,14 @@ def is_request(sentence: str) -> bool:
     return sentence.endswith("?") or any(cue in sentence for cue in REQUEST_CUES)
 
 
+_OPEN_QUESTION = re.compile(r"^(?:(?:and|so|ok|okay|great|sure|alright)[,\s]+)?(?:who|whom|what|which|when|where|how)\b")
+
+
 def is_confirmation_request(sentence: str) -> bool:
-    return is_request(sentence) and any(cue in sentence for cue in CONFIRM_CUES)
+    """A yes/no request to go ahead. A question that opens with a wh-word ("who should I send it to?",
+    "what would you like me to say?") asks for a detail instead, even with a confirmation cue in it."""
+    return (is_request(sentence) and not _OPEN_QUESTION.match(sentence)
+            and any(cue in sentence for cue in CONFIRM_CUES))
 
 
 def actions_in(text: str) -> set[str]:
