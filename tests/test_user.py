@@ -2,7 +2,7 @@
 
 import pytest
 
-from trace_lib.envs.user import ScriptedUser, field_keywords, split_sentences
+from trace_lib.envs.user import ScriptedUser, field_keywords, is_confirmation_request, split_sentences
 from trace_lib.records import UserScenario
 
 
@@ -59,6 +59,21 @@ def test_confirmation_follows_scenario(confirm, answer):
     assert turn.content.startswith(answer) and not turn.stop
     assert user.confirmations == (1 if confirm else 0)
     assert "no longer needed" not in turn.content  # a confirmation is not a request for the reason
+
+
+@pytest.mark.parametrize("sentence,confirmation", [
+    ("should i proceed?", True), ("shall i cancel order #w1?", True), ("do you want me to cancel it?", True),
+    ("how about i go ahead and send it now?", True), ("how does that sound, shall i proceed?", True),
+    ("when you're ready, shall i send it?", True), ("what do you think, should i go ahead?", True),
+    ("what would you like me to do: proceed with cancelling order #w1234567 (yes/no)?", True),
+    ("do you want me to send it to priya, who is your friend?", True),
+    ("who should i send it to?", False), ("what would you like me to say?", False),
+    ("which order would you like me to cancel?", False), ("okay, when should i set the reminder?", False),
+    ("sure, i can help with that — who should i send it to?", False), ("to whom should i send it?", False),
+    ("can you tell me who should i send it to?", False), ("your order is pending.", False),
+])
+def test_yes_no_confirmations_and_detail_questions(sentence, confirmation):
+    assert is_confirmation_request(sentence) is confirmation
 
 
 @pytest.mark.parametrize("question,key,value", [

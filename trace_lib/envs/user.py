@@ -101,14 +101,24 @@ def is_request(sentence: str) -> bool:
     return sentence.endswith("?") or any(cue in sentence for cue in REQUEST_CUES)
 
 
-_OPEN_QUESTION = re.compile(r"^(?:(?:and|so|ok|okay|great|sure|alright)[,\s]+)?(?:who|whom|what|which|when|where|how)\b")
+EXPLICIT_CONFIRM_CUES = ("yes/no", "yes or no", "(yes", "is that correct", "is this correct", "is that right",
+                         "is this right", "are you sure", "do you confirm")
+"""Cues that make a request a confirmation whatever else it asks."""
+# A wh-word shortly before an offer ("who should I send it to?", "which order would you like me to
+# cancel?", "sure - what would you like me to say?") asks for a detail; the words between carry no
+# comma, so "what do you think, should I go ahead?" stays a confirmation.
+_DETAIL_QUESTION = re.compile(r"\b(?:who|whom|what|which|when|where)(?:\s+[^\s,;:]+){0,3}?\s+"
+                              r"(?:should i|shall i|would you like me to|do you want me to|want me to)\b")
 
 
 def is_confirmation_request(sentence: str) -> bool:
-    """A yes/no request to go ahead. A question that opens with a wh-word ("who should I send it to?",
-    "what would you like me to say?") asks for a detail instead, even with a confirmation cue in it."""
-    return (is_request(sentence) and not _OPEN_QUESTION.match(sentence)
-            and any(cue in sentence for cue in CONFIRM_CUES))
+    """A yes/no request to go ahead. A wh-question about the offer ("who should I send it to?") asks for a
+    detail instead, unless it also says yes/no outright."""
+    if not is_request(sentence):
+        return False
+    if any(cue in sentence for cue in EXPLICIT_CONFIRM_CUES):
+        return True
+    return any(cue in sentence for cue in CONFIRM_CUES) and not _DETAIL_QUESTION.search(sentence)
 
 
 def actions_in(text: str) -> set[str]:

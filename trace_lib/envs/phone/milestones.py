@@ -38,10 +38,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trace_lib.envs.phone.world import ID_COLUMNS
 from trace_lib.envs.said import output_found
 
 TEXT_COLUMNS = ("content", "query", "body")
-ROW_KEYS = {"contacts": "person_id", "messages": "message_id", "reminders": "reminder_id"}
+ROW_KEYS = ID_COLUMNS
 
 
 class Constraint(BaseModel):

@@ -24,7 +24,8 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
@@ -35,6 +36,8 @@ from trace_lib.envs.base import ToolSpec
 PLACES_PATH = Path(__file__).resolve().parent / "places.json"
 SETTINGS = ("cellular", "wifi", "location_service", "low_battery_mode")
 TABLES = ("settings", "contacts", "messages", "reminders")
+ID_COLUMNS = {"contacts": "person_id", "messages": "message_id", "reminders": "reminder_id"}
+"""Each row table's id column (ids are `<kind>_<n>`, n from one counter across the tables)."""
 ISO = "%Y-%m-%dT%H:%M:%S"
 MAX_NUMBER = 1e9
 """Largest magnitude a number argument may have (amounts, shifts): beyond it a call is refused."""
@@ -82,8 +85,26 @@ class PhoneWorld:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PhoneWorld:
+        """A world from `to_dict`'s form, or a hand-written one (a synthesized environment's): settings not
+        given take their defaults, and without a `counter` new ids continue after the largest given one
+        (one counter across the tables, as `new_id` hands them out). A bad shape is a ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"phone world: expected a dict, got {type(data).__name__}")
         data = copy.deepcopy(data)
+        known = {f.name for f in fields(cls)}
+        if set(data) - known or "now" not in data:
+            raise ValueError(f"phone world: keys {sorted(data)}; expected 'now' (ISO 8601) and any of "
+                             f"{sorted(known - {'now'})}")
+        settings = data.get("settings", {})
+        if not isinstance(settings, dict) or set(settings) - set(SETTINGS):
+            raise ValueError(f"phone world: settings must map some of {list(SETTINGS)} to true/false, got {settings!r}")
+        if set(settings) != set(SETTINGS):
+            data["settings"] = {**cls(now="").settings, **settings}
         data["location"] = tuple(data.get("location", (37.3346, -122.0091)))
+        if "counter" not in data:
+            ids = [str(row.get(col, "")) for t, col in ID_COLUMNS.items() for row in data.get(t, [])
+                   if isinstance(row, dict)]
+            data["counter"] = max((int(m[1]) for i in ids if (m := re.search(r"_(\d+)$", i))), default=0)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
