@@ -211,16 +211,61 @@ def test_report_reads_the_other_runs_named_in_params(tmp_path: Path):
     assert [(b.env, b.source, b.rows is not None, b.graded) for b in blocks] == [
         ("retail", "this run", True, False), ("phone", "sweeps/phone", True, True),
         ("tau2-retail", "missing", False, False), ("tau2-airline", str(tmp_path / "elsewhere"), False, False)]
-    assert blocks[2].reason == "missing: no reports/tables/table1.csv (has its evaluate stage run?)"
+    assert blocks[2].reason == "missing: no such folder"
     assert blocks[3].reason.endswith("evaluated on ['retail'], not ['tau2-airline']")
     text = environments_markdown(blocks)
     assert text.startswith("# Table 1 across environments\n")
-    assert "phone: sweeps/phone; tau2-retail: missing (not shown: missing: no reports/tables/table1.csv" in text
+    assert "phone: sweeps/phone (? split, ? tasks); tau2-retail: missing (not shown: missing: no such folder)" in text
     assert "| TRACE (argmax) | 28.6 [18.6, 38.6] (4/14) | 60 | 9.4 [0.0, 19.4] (3/32) | 0.125 [0.062, 0.188] | 44 |" in text
 
     run_report(params, tmp_path)
     page = (tmp_path / "reports" / "index.html").read_text()
     assert 'id="table-environments"' in page and "9.4 [0.0, 19.4] (3/32)" in page
+
+
+@pytest.mark.parametrize("table,metrics,reason", [
+    ("", '{"envs": ["phone"]}', "unreadable (No columns to parse from file)"),
+    ('a,"b\n1,2', '{"envs": ["phone"]}', "unreadable"),
+    (None, "{not json", "unreadable"),
+    (None, "[1, 2]", "unreadable (evaluate.json is not a JSON object)"),
+    ("method,key\nbase,base\n", '{"envs": ["phone"]}', "unreadable (table1.csv has no column ['column', 'status'"),
+])
+def test_an_unreadable_other_run_is_a_reason_not_a_crash(tmp_path: Path, table, metrics, reason):
+    other = tmp_path / "other"
+    write_run(other, "phone", PHONE_ROWS, graded=True)
+    if table is not None:
+        (other / "reports" / "tables" / "table1.csv").write_text(table)
+    (other / "reports" / "metrics" / "evaluate.json").write_text(metrics)
+    (block,) = environment_blocks(Params.model_validate({"report": {"environments": {"phone": str(other)}}}),
+                                  tmp_path)[1:]
+    assert block.rows is None and block.reason.startswith(f"{other}: {reason}"), block.reason
+    assert f"(not shown: {block.reason})" in environments_markdown([block])
+
+
+def test_older_and_odd_tables_still_give_cells(tmp_path: Path):
+    """A table1.csv from before the mean-reward columns, and a run row with an empty count."""
+    import pandas as pd
+
+    write_run(tmp_path, "retail", RETAIL_ROWS, graded=False)
+    path = tmp_path / "reports" / "tables" / "table1.csv"
+    old = pd.read_csv(path).drop(columns=["mean_reward", "reward_ci_low", "reward_ci_high"])
+    old.loc[(old["key"] == "trace_argmax") & (old["column"] == "overall"), "successes"] = None
+    old.to_csv(path, index=False)
+    (tmp_path / "reports" / "metrics" / "evaluate.json").write_text(json.dumps({"envs": ["retail"]}))
+    (block,) = environment_blocks(Params(), tmp_path)
+    rows = {r["method"]: r for r in environments_table([block]).to_dict("records")}
+    assert rows["base"]["retail: success % [95% CI] (k/n)"] == "14.3 [4.3, 24.3] (2/14)"
+    assert rows["TRACE (argmax)"]["retail: success % [95% CI] (k/n)"] == "unreadable"
+
+
+def test_this_runs_block_is_what_it_evaluated_and_the_own_folder_is_not_read_twice(tmp_path: Path):
+    write_run(tmp_path, "tau2-retail", RETAIL_ROWS, graded=False)
+    (tmp_path / "reports" / "metrics" / "evaluate.json").write_text(
+        json.dumps({"envs": ["tau2-retail", "tau2-airline"], "graded_envs": [], "split": "test", "tasks": 164}))
+    params = Params.model_validate({"env": {"name": "tau2-retail"}, "report": {"environments": {"phone": "."}}})
+    own, other = environment_blocks(params, tmp_path)
+    assert own.env == "tau2-retail, tau2-airline" and own.rows is not None and own.detail == "test split, 164 tasks"
+    assert other.rows is None and other.reason == ".: that is this run's own folder"
 
 
 def test_no_environments_table_without_any_evaluation(tmp_path: Path):

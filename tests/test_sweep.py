@@ -110,6 +110,8 @@ def test_cli_root_takes_one_point(tmp_path: Path, capsys):
     assert exc.value.code == 2 and "--root takes a grid of one point, not 2" in capsys.readouterr().err
     with pytest.raises(ValueError, match="one grid point, not 2"):
         run_sweep(ROLLOUT_NB, {"seed": [0, 1]}, tmp_path / "x", params_path=REPO / "params.yaml", as_root=True)
+    with pytest.raises(ValueError, match="is the repo itself"):
+        run_sweep(ROLLOUT_NB, {"seed": [0]}, ".", params_path="params.yaml", cwd=REPO, as_root=True)
 
 
 def stage_notebook(path: Path, stage: str) -> Path:

@@ -179,6 +179,8 @@ def run_sweep(
     if as_root and len(runs) != 1:
         raise ValueError(f"a sweep into one root folder takes one grid point, not {len(runs)}")
     base = Path(cwd or ".")
+    if as_root and (base / out).resolve() == base.resolve():
+        raise ValueError(f"root {str(out)!r} is the repo itself: the run would write over its own outputs")
     validate_runs(runs, base / params_path)
     import papermill  # slow to import: only once the grid is known to be valid
     out = Path(out)
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         runs = expand_grid(grid)
         if args.root and len(runs) != 1:
             raise ValueError(f"--root takes a grid of one point, not {len(runs)}; use --out")
+        if args.root and Path(args.root).resolve() == Path.cwd().resolve():
+            raise ValueError(f"--root {args.root!r} is this folder: the run would write over its own outputs")
         validate_runs(runs, args.params)
     except ValueError as err:  # ConfigError is a ValueError
         parser.exit(2, f"error: {err}\n")

@@ -11,6 +11,7 @@ that did not run keeps its row and says why, so the table shape never depends on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,10 +154,14 @@ def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int,
     return pd.DataFrame(rows, columns=["method", *groups, "overall", *extra, "rollouts", "budget vs TRACE", "note"])
 
 
+TABLE1_COLUMNS = ("method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high",
+                  "mean_reward", "reward_ci_low", "reward_ci_high", "rollouts", "reason")
+"""The columns of table1.csv."""
+
+
 def table1_long(runs: Sequence[MethodRun], groups: Sequence[str]) -> pd.DataFrame:
     """Table 1 as numbers (the CSV): one row per method x column."""
-    cols = ["method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high", "mean_reward",
-            "reward_ci_low", "reward_ci_high", "rollouts", "reason"]
+    cols = list(TABLE1_COLUMNS)
     rows = []
     for r in ordered_rows(runs):
         for g in [*groups, "overall"]:
@@ -299,28 +304,38 @@ class EnvBlock:
     graded: bool = False
     """Whether the environment's reward is graded (its block then shows the mean reward too)."""
     reason: str = ""
+    detail: str = ""
+    """What the run evaluated ('test split, 32 tasks')."""
 
 
-def _count(v: Any) -> int:
-    return int(round(float(v)))
+def _number(v: Any) -> float | None:
+    """A CSV cell as a finite number, or None (empty, NaN or not a number)."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(x) or math.isinf(x) else x
 
 
 def env_block_cells(block: EnvBlock, key: str) -> tuple[str, str, str]:
     """(rate cell, mean-reward cell, rollouts) of method `key` in one environment's block."""
     if block.rows is None:
         return "no run", "no run", EMPTY
-    found = block.rows[(block.rows["key"] == key) & (block.rows["column"] == "overall")]
+    found = block.rows[(block.rows["key"].astype(str) == key) & (block.rows["column"] == "overall")]
     if found.empty:
         return "not in that run", EMPTY, EMPTY
     r = found.iloc[0]
-    rollouts = EMPTY if pd.isna(r["rollouts"]) else str(_count(r["rollouts"]))
-    if r["status"] != "run" or pd.isna(r["n"]) or not _count(r["n"]):
+    rollouts = EMPTY if _number(r["rollouts"]) is None else str(round(_number(r["rollouts"])))
+    n = _number(r["n"])
+    if r["status"] != "run" or not n:
         return "not run", "not run", rollouts
-    rate = (f"{100 * r['success_rate']:.1f} [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}] "
-            f"({_count(r['successes'])}/{_count(r['n'])})")
-    reward = EMPTY if pd.isna(r["mean_reward"]) else (
-        f"{r['mean_reward']:.3f} [{r['reward_ci_low']:.3f}, {r['reward_ci_high']:.3f}]")
-    return rate, reward, rollouts
+    k, rate, lo, hi = (_number(r[c]) for c in ("successes", "success_rate", "ci_low", "ci_high"))
+    if None in (k, rate, lo, hi):
+        return "unreadable", EMPTY, rollouts
+    cell = f"{100 * rate:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] ({round(k)}/{round(n)})"
+    mean, rlo, rhi = (_number(r.get(c)) for c in ("mean_reward", "reward_ci_low", "reward_ci_high"))
+    reward = EMPTY if None in (mean, rlo, rhi) else f"{mean:.3f} [{rlo:.3f}, {rhi:.3f}]"
+    return cell, reward, rollouts
 
 
 def environments_table(blocks: Sequence[EnvBlock]) -> pd.DataFrame:
@@ -331,7 +346,8 @@ def environments_table(blocks: Sequence[EnvBlock]) -> pd.DataFrame:
     for block in blocks:
         if block.rows is not None:
             for key, label in zip(block.rows["key"], block.rows["method"]):
-                methods.setdefault(str(key), str(label))
+                if isinstance(key, str) and key:
+                    methods.setdefault(key, str(label))
     columns = ["method"]
     for block in blocks:
         columns.append(f"{block.env}: {'perfect' if block.graded else 'success'} % [95% CI] (k/n)")

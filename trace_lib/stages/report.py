@@ -33,7 +33,7 @@ import yaml
 from nbconvert import HTMLExporter
 
 from trace_lib.config import Params
-from trace_lib.evaluation.tables import EnvBlock, environments_table, markdown
+from trace_lib.evaluation.tables import TABLE1_COLUMNS, EnvBlock, environments_table, markdown
 from trace_lib.io import atomic_write_text, write_json
 from trace_lib.paths import Paths
 
@@ -190,41 +190,66 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
     return "\n".join(parts) + "\n"
 
 
-def env_block(env: str, root: Path, source: str) -> EnvBlock:
-    """One environment's Table 1 block from a run's root (this one or another), or why there is none."""
+TABLE1_NEEDS = ("method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high")
+
+
+def env_block(env: str, root: Path, source: str, own: bool = False) -> EnvBlock:
+    """One environment's Table 1 block from a run's root (this one, `own`, or another), or why there is
+    none: no such folder, no evaluation there, an unreadable file, or a run of another environment."""
     paths = Paths(root)
     table, metrics = paths.table("table1", ".csv"), paths.metrics("evaluate")
+    if not Path(root).is_dir():
+        return EnvBlock(env, source, None, reason=f"{source}: no such folder")
     if not table.is_file() or not metrics.is_file():
         missing = "reports/tables/table1.csv" if not table.is_file() else "reports/metrics/evaluate.json"
         return EnvBlock(env, source, None, reason=f"{source}: no {missing} (has its evaluate stage run?)")
-    info = json.loads(metrics.read_text(encoding="utf-8"))
-    if info.get("envs") != [env]:
-        return EnvBlock(env, source, None, reason=f"{source}: evaluated on {info.get('envs')}, not [{env!r}]")
-    return EnvBlock(env, source, pd.read_csv(table), graded=env in info.get("graded_envs", []))
+    try:
+        info = json.loads(metrics.read_text(encoding="utf-8"))
+        if not isinstance(info, dict):
+            raise ValueError("evaluate.json is not a JSON object")
+        rows = pd.read_csv(table)
+        lacking = [c for c in TABLE1_NEEDS if c not in rows.columns]
+        if lacking:
+            raise ValueError(f"table1.csv has no column {lacking}")
+    except (OSError, ValueError, pd.errors.ParserError) as err:  # EmptyDataError is a ValueError
+        return EnvBlock(env, source, None, reason=f"{source}: unreadable ({err})")
+    envs = info.get("envs") if isinstance(info.get("envs"), list) else []
+    if own:  # this run's block is what this run evaluated (several environments under `evaluate.envs`)
+        env = ", ".join(map(str, envs)) or env
+    elif envs != [env]:
+        return EnvBlock(env, source, None, reason=f"{source}: evaluated on {envs}, not [{env!r}]")
+    graded = bool(set(envs) & set(info.get("graded_envs", []))) if "graded_envs" in info else bool(
+        "mean_reward" in rows and ((rows["mean_reward"] > 0) & (rows["mean_reward"] < 1)).any())
+    detail = f"{info.get('split', '?')} split, {info.get('tasks', '?')} tasks"
+    return EnvBlock(env, source, rows.reindex(columns=TABLE1_COLUMNS), graded=graded, detail=detail)
 
 
 def environment_blocks(params: Params, root: Path) -> list[EnvBlock]:
     """This run's block first, then one per `report.environments` entry (relative roots from `root`)."""
-    blocks = [env_block(params.env.name, root, "this run")]
+    blocks = [env_block(params.env.name, root, "this run", own=True)]
     for env, other in params.report.environments.items():
         if env == params.env.name:
             continue  # this run is that environment's block
         where = Path(other)
-        blocks.append(env_block(env, where if where.is_absolute() else root / where, other))
+        where = where if where.is_absolute() else root / where
+        if where.resolve() == Path(root).resolve():
+            blocks.append(EnvBlock(env, other, None, reason=f"{other}: that is this run's own folder"))
+            continue
+        blocks.append(env_block(env, where, other))
     return blocks
 
 
 def environments_markdown(blocks: list[EnvBlock]) -> str:
     """reports/tables/environments.md: the table, where each block comes from, and the missing ones' reasons."""
-    sources = "; ".join(f"{b.env}: {b.source}" + (f" (not shown: {b.reason})" if b.rows is None else "")
-                        for b in blocks)
+    sources = "; ".join(f"{b.env}: {b.source}" + (f" ({b.detail})" if b.detail else "")
+                        + (f" (not shown: {b.reason})" if b.rows is None else "") for b in blocks)
     note = ("Each block is one run of the pipeline on that environment (its own discovered capabilities, "
-            "adapters and test split), read from the run's reports/tables/table1.csv: overall success % on "
-            "the test split with 95% bootstrap intervals over tasks and successes/tasks; on a graded "
-            "environment success means a perfect score and the mean reward (milestone similarity) follows; "
-            "rollouts = training episodes behind the method. Runs: " + sources + ". Another environment's "
-            "block comes from `report.environments` in params.yaml (e.g. `{phone: sweeps/phone}`, which "
-            "`make phone` fills).")
+            "adapters and evaluation split), read from the run's reports/tables/table1.csv: overall success % "
+            "with the run's bootstrap interval over tasks (95% unless its evaluate.ci_level says otherwise) and "
+            "successes/tasks; on a graded environment success means a perfect score and the mean reward "
+            "(milestone similarity) follows; rollouts = training episodes behind the method. Runs: " + sources
+            + ". Another environment's block comes from `report.environments` in params.yaml (e.g. "
+            "`{phone: sweeps/phone}`, which `make phone` fills).")
     return "# Table 1 across environments\n\n" + note + "\n\n" + markdown(environments_table(blocks))
 
 

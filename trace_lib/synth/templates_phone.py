@@ -74,6 +74,9 @@ def phone_rubric(trajectory: dict[str, Any], meta: dict[str, Any]) -> dict[str, 
     missing = [k for k in ("world", "milestones") if k not in meta]
     if missing:
         raise ValueError(f"phone_rubric: the task's meta lacks {missing} (the starting world and the milestones)")
+    if not meta["milestones"]:
+        raise ValueError("phone_rubric: the task has no milestones; a training task needs at least one (with none, "
+                         "an agent that does nothing would score 1)")
     snaps, start = replay_snapshots(trajectory.get("messages", []), meta["world"])
     result = score_scenario(meta, snaps, start)
     steps = {_label(i, x): v for i, (x, v) in enumerate(zip(meta["milestones"], result["milestones"], strict=True))}
