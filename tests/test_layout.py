@@ -7,6 +7,7 @@ imports or reads would let `dvc repro` report results that no longer match the c
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,14 @@ def test_no_artifact_path_literals_outside_paths():
             if isinstance(node, ast.Constant) and node.value in ("data", "reports"):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_stages_read_the_prepared_model_from_the_working_directory():
+    """A sweep runs stages under another root but shares the repo's prepared model (`model.out_dir` from
+    the working directory); only prepare_model writes it under its root. A stage that looked for it
+    under its root failed in a whole-pipeline sweep (`make phone`) at the train stage."""
+    for stage in STAGES:
+        if stage == "prepare_model":
+            continue
+        text = module_file(f"trace_lib.stages.{stage}").read_text(encoding="utf-8")
+        assert not re.search(r"root\) ?/ ?(params\.)?model\.out_dir|root ?/ ?params\.model\.out_dir", text), stage

@@ -103,7 +103,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     paths = Paths(root)
     caps, baselines = inputs.find_adapters(root)
     names = sorted(caps)
-    policy = open_policy(params, root / params.model.out_dir, {**caps, **baselines}, threads=params.rollout.threads)
+    policy = open_policy(params, Path(params.model.out_dir), {**caps, **baselines}, threads=params.rollout.threads)
     for folder in [*caps.values(), *baselines.values()]:
         inputs.check_base_model(folder, policy.base_id)
     rcfg = eval_rollout_config(params.rollout, cfg)

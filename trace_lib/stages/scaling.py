@@ -156,7 +156,7 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
     (base episodes reused for tasks sent to no adapter)."""
     ecfg = params.evaluate
     adapters = {snapshot_name(p, c): str(s.path) for p in todo for c, s in p["adapters"].items()}
-    policy = open_policy(params, root / params.model.out_dir, adapters, threads=params.rollout.threads)
+    policy = open_policy(params, Path(params.model.out_dir), adapters, threads=params.rollout.threads)
     rcfg = eval_rollout_config(params.rollout, ecfg)
     targets = eval_targets(params.env, ecfg, root)
     memo: dict | None = None

@@ -1,9 +1,9 @@
 """Stage `train`: one LoRA adapter per validated synthetic environment, then the baselines (paper §3.3, §4).
 
 Reads params.yaml (`model`, `env`, `rollout`, `synthesize`, `train`), the prepared model folder
-(`model.out_dir` under `root`), the validated synthetic environments (`data/envs/manifests.jsonl` and
-each `env.py`, served by a sandbox process) and the synthesize stage's band-check ledger
-(`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
+(`model.out_dir`, from the working directory so sweeps share it), the validated synthetic environments
+(`data/envs/manifests.jsonl` and each `env.py`, served by a sandbox process) and the synthesize stage's
+band-check ledger (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
 
     data/adapters/<capability>/          one adapter per environment (`trace_lib.training.trainer`
                                          lists the folder: PEFT weights, train_log.jsonl,
@@ -108,7 +108,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     if params.train.processes > 1 and size == 1:
         return launch_train(params, root, progress)
     paths = Paths(root)
-    model_dir = root / params.model.out_dir
+    model_dir = Path(params.model.out_dir)  # from the working directory, as the rollout stage: sweeps share it
     cfg = params.train
     envs = valid_envs(root)
     resume = {"resume_key": _resume_key(params), "keep_checkpoints": True}
