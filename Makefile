@@ -29,8 +29,10 @@ repro: env
 	$(BIN)/dvc repro
 
 # The whole pipeline again on the phone environment (CPU default sizes) into sweeps/phone, then the
-# report once more: its Table 1 across environments shows the phone block beside the retail one.
+# report once more: its Table 1 across environments shows the phone block beside the retail one. The
+# folder starts empty: stages run outside DVC do not remove what an earlier run left (e.g. an adapter).
 phone: repro
+	rm -rf sweeps/phone
 	$(BIN)/python -m trace_lib.sweep notebooks/0[1-7]_*.ipynb --set env.name=phone --root sweeps/phone
 	$(BIN)/dvc repro --force --single-item report
 
