@@ -341,7 +341,7 @@ def test_index_renders_in_chromium(tree: Path, tmp_path: Path):
     assert [i["src"] for i in figures] == ["figures/score_error_rates.png", "figures/train_curves.png"]
     assert all(i["loaded"] for i in figures), figures
     tables = {t["section"]: t for t in seen["tables"] if t["section"]}
-    assert list(tables) == ["table-table1", "table-routing", "table-extra"]
+    assert list(tables) == ["table-table1", "table-environments", "table-routing", "table-extra"]
     assert tables["table-table1"]["head"] == ["method", "retail"] and tables["table-table1"]["rows"] == 3
     assert tables["table-extra"]["head"] == ["a | b", "c"]
     assert all(t["shown"] for t in tables.values())
