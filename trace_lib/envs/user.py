@@ -62,12 +62,16 @@ REQUEST_CUES = (
 )
 """Imperative requests; questions are recognised by their '?' (weak cues such as "which" or
 "what is" also occur in final answers, where they must not keep the conversation going)."""
+EXPLICIT_CONFIRM_CUES = ("yes/no", "yes or no", "(yes", "is that correct", "is this correct", "is that right",
+                         "is this right", "are you sure", "do you confirm")
+"""Cues that make a request a confirmation whatever else it asks."""
 CONFIRM_CUES = (
-    "yes/no", "yes or no", "(yes", "would you like me to", "do you want me to", "shall i", "should i",
+    *EXPLICIT_CONFIRM_CUES, "would you like me to", "do you want me to", "shall i", "should i",
     "may i proceed", "can i proceed", "proceed", "go ahead", "confirm that", "confirm the",
-    "confirm this", "confirm if", "confirm whether", "is that correct", "is this correct",
-    "is that right", "is this right", "are you sure", "do you confirm", "please confirm.",
+    "confirm this", "confirm if", "confirm whether", "please confirm.",
 )
+"""Cues of a request to go ahead (the explicit ones, and offers a wh-question can turn into a detail
+question: `is_confirmation_request`)."""
 ACTION_WORDS: dict[str, tuple[str, ...]] = {
     "cancel": ("cancel",),
     "return": ("return",),
@@ -101,9 +105,6 @@ def is_request(sentence: str) -> bool:
     return sentence.endswith("?") or any(cue in sentence for cue in REQUEST_CUES)
 
 
-EXPLICIT_CONFIRM_CUES = ("yes/no", "yes or no", "(yes", "is that correct", "is this correct", "is that right",
-                         "is this right", "are you sure", "do you confirm")
-"""Cues that make a request a confirmation whatever else it asks."""
 # A wh-word shortly before an offer ("who should I send it to?", "which order would you like me to
 # cancel?", "sure - what would you like me to say?") asks for a detail; the words between carry no
 # comma, so "what do you think, should I go ahead?" stays a confirmation.

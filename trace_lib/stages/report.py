@@ -26,9 +26,9 @@ from typing import Any
 from urllib.parse import quote
 
 import jinja2
-import pandas as pd
 import mistune
 import nbformat
+import pandas as pd
 import yaml
 from nbconvert import HTMLExporter
 

@@ -29,6 +29,7 @@ from trace_lib.envs.phone.milestones import score_scenario
 from trace_lib.envs.phone.world import PhoneWorld, execute, phone_tool_specs
 from trace_lib.synth.rubric import rubric
 from trace_lib.synth.template_kit import DIFFICULTY
+from trace_lib.synth.world import ToolError
 
 SYNTH_SPLIT = "synth"
 """The seed space of synthetic phone tasks: scenario RNGs are keyed by split, so never a train/test one."""
@@ -59,8 +60,6 @@ def phone_world(world: dict[str, Any]) -> PhoneWorld:
 def phone_call(state: PhoneWorld, name: str, arguments: dict[str, Any]) -> str:
     """Run the target's tool `name` on `state`; a refusal (a setting a tool depends on is off, a bad
     argument, an unknown id) raises `ToolError` with the phone's own message."""
-    from trace_lib.synth.world import ToolError
-
     text, is_error = execute(state, name, arguments)
     if is_error:
         raise ToolError(text.removeprefix("Error: "))

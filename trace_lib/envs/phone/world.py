@@ -35,6 +35,8 @@ from trace_lib.envs.base import ToolSpec
 
 PLACES_PATH = Path(__file__).resolve().parent / "places.json"
 SETTINGS = ("cellular", "wifi", "location_service", "low_battery_mode")
+DEFAULT_SETTINGS = {"cellular": True, "wifi": True, "location_service": True, "low_battery_mode": False}
+"""A world's settings where it names none (a hand-written world may name only some)."""
 TABLES = ("settings", "contacts", "messages", "reminders")
 ID_COLUMNS = {"contacts": "person_id", "messages": "message_id", "reminders": "reminder_id"}
 """Each row table's id column (ids are `<kind>_<n>`, n from one counter across the tables)."""
@@ -70,9 +72,7 @@ class PhoneWorld:
 
     now: str
     """The device clock (ISO 8601); fixed for the episode."""
-    settings: dict[str, bool] = field(default_factory=lambda: {"cellular": True, "wifi": True,
-                                                               "location_service": True,
-                                                               "low_battery_mode": False})
+    settings: dict[str, bool] = field(default_factory=lambda: dict(DEFAULT_SETTINGS))
     contacts: list[dict[str, Any]] = field(default_factory=list)
     """{person_id, name, phone_number, relationship, is_self}."""
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -99,7 +99,7 @@ class PhoneWorld:
         if not isinstance(settings, dict) or set(settings) - set(SETTINGS):
             raise ValueError(f"phone world: settings must map some of {list(SETTINGS)} to true/false, got {settings!r}")
         if set(settings) != set(SETTINGS):
-            data["settings"] = {**cls(now="").settings, **settings}
+            data["settings"] = {**DEFAULT_SETTINGS, **settings}
         data["location"] = tuple(data.get("location", (37.3346, -122.0091)))
         if "counter" not in data:
             ids = [str(row.get(col, "")) for t, col in ID_COLUMNS.items() for row in data.get(t, [])
