@@ -1,8 +1,8 @@
 """Does an adapter learn its capability, and with which settings? One synthetic environment, the same
-seed and budget, one arm per (`train.learning_rate`, `train.hint_fraction`, `train.reward.partial_credit`)
-triple given; each adapter's training curve and its held-out success (greedy, seeds from
-`INTERFERENCE_SEED0` up: never a training or validation seed), with `--eval-every k` also that of the
-snapshot after every k-th iteration (the held-out curve).
+seed and budget, one arm per combination of `train.learning_rate`, `train.hint_fraction`,
+`train.reward.partial_credit` and `train.start_late` given; each adapter's training curve and its held-out
+success (greedy, whole episodes, seeds from `INTERFERENCE_SEED0` up: never a training or validation seed),
+with `--eval-every k` also that of the snapshot after every k-th iteration (the held-out curve).
 
 Reads the outputs of `dvc repro` under --root (data/model, data/envs) and its params.yaml; writes the
 adapters under --out (default a temporary folder) and prints one JSON object.
@@ -41,6 +41,10 @@ def main() -> None:
     ap.add_argument("--fractions", default="0,0.5", help="train.hint_fraction values")
     ap.add_argument("--partial-credits", default="0", help="train.reward.partial_credit values (multi-level rewards)")
     ap.add_argument("--lrs", default="", help="train.learning_rate values (default: the params')")
+    ap.add_argument("--start-lates", default="",
+                    help="train.start_late values (reverse curriculum; default: the params')")
+    ap.add_argument("--groups", type=int, default=0, help="train.groups (0: the params')")
+    ap.add_argument("--seed", type=int, default=None, help="training seed (default: the params' seed)")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="also evaluate the snapshot after every k-th iteration (0: the final adapters only)")
     ap.add_argument("--seeds", type=int, default=16, help="held-out tasks")
@@ -52,16 +56,21 @@ def main() -> None:
     if manifest is None:
         raise SystemExit(f"no validated environment {args.capability!r} under {root / 'data/envs'}")
     out = Path(args.out or tempfile.mkdtemp(prefix="hint_swap-"))
-    result: dict = {"capability": args.capability, "iterations": args.iterations, "arms": {}}
+    seed = params.seed if args.seed is None else args.seed
+    result: dict = {"capability": args.capability, "iterations": args.iterations, "seed": seed, "arms": {}}
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
         adapters = {}
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [params.train.learning_rate]
-        arms = [(lr, float(f), float(c)) for lr in lrs for f in args.fractions.split(",")
-                for c in args.partial_credits.split(",")]
-        for lr, fraction, credit in arms:
+        lates = [float(x) for x in args.start_lates.split(",")] if args.start_lates else [params.train.start_late]
+        arms = [(lr, float(f), float(c), late) for lr in lrs for f in args.fractions.split(",")
+                for c in args.partial_credits.split(",") for late in lates]
+        for lr, fraction, credit, late in arms:
             # adapter names may not contain "."
-            name = f"hint{round(100 * fraction)}-pc{round(100 * credit)}" + (f"-lr{lr:.2e}".replace(".", "p") if args.lrs else "")
+            name = (f"hint{round(100 * fraction)}-pc{round(100 * credit)}"
+                    + (f"-lr{lr:.2e}".replace(".", "p") if args.lrs else "")
+                    + (f"-late{round(100 * late)}" if args.start_lates else ""))
             cfg = params.train.model_copy(update={"hint_fraction": fraction, "iterations": args.iterations,
+                                                  "start_late": late, "groups": args.groups or params.train.groups,
                                                   "learning_rate": lr, "snapshots": args.eval_every > 0,
                                                   "save_every": args.eval_every or params.train.save_every,
                                                   "reward": params.train.reward.model_copy(
@@ -72,17 +81,18 @@ def main() -> None:
             else:
                 m = train_adapter_mixture(root / params.model.out_dir,
                                           [_synthetic_source(box, args.capability, params)], cfg, out / name,
-                                          seed=params.seed, ledger=RolloutLedger(out / f"{name}.ledger.jsonl"),
+                                          seed=seed, ledger=RolloutLedger(out / f"{name}.ledger.jsonl"),
                                           name=name, timing_path=out / f"{name}.timing.json")
             adapters[name] = str(out / name)
             for snap in sorted((out / name / SNAPSHOTS).glob("iter-*")) if args.eval_every else []:
                 adapters[f"{name}-{snap.name}"] = str(snap)
             result["arms"][name] = {
-                "learning_rate": lr, "hint_fraction": fraction, "partial_credit": credit, "rollouts": m.rollouts_used,
+                "learning_rate": lr, "hint_fraction": fraction, "partial_credit": credit, "start_late": late,
+                "rollouts": m.rollouts_used,
                 "train_seconds": round(time.perf_counter() - t0, 1),
                 "curve": [{k: row.get(k) for k in ("iteration", "success_rate", "hinted", "success_rate_unhinted",
                                                     "success_rate_hinted", "env_score", "rubric",
-                                                    "frac_reward_zero_std", "trained_tokens")}
+                                                    "frac_reward_zero_std", "trained_tokens", "preplayed_calls")}
                           for row in read_train_log(out / name)],
                 "seconds_per_iteration": read_timing(out / f"{name}.timing.json").get("seconds_per_iteration"),
             }

@@ -25,10 +25,13 @@ from trace_lib.training.grpo import (
     Episode,
     TrainSource,
     drop_masked_rows,
+    leading_calls,
     loss_mask,
+    preplay_count,
+    preplayed_opening,
     trajectory_reward,
 )
-from trace_lib.training.hints import HINT_CLOSE, HINT_OPEN
+from trace_lib.training.hints import HINT_CLOSE, HINT_OPEN, reference_steps
 from trace_lib.training.rewards import make_reward
 from trace_lib.training.trainer import (
     AgentGRPOTrainer,
@@ -230,6 +233,66 @@ def test_hint_swap_without_guidance_plays_unguided(scripted):
     out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
     assert not any(ep.hinted for ep in ro.last) and out["reward"] == [0.0, 0.0]
     assert ro.stats[0]["hinted"] == 0 and ro.stats[0]["success_rate_hinted"] is None
+
+
+def test_preplay_count_steps_down_from_every_leading_call_to_none():
+    assert [preplay_count(i, 4, 0.5, 2) for i in range(4)] == [2, 1, 0, 0]
+    assert [preplay_count(i, 3, 1.0, 3) for i in range(3)] == [3, 2, 1]
+    assert [preplay_count(i, 5, 1.0, 1) for i in range(5)] == [1] * 5
+    assert [preplay_count(i, 4, 0.0, 2) for i in range(4)] == [0] * 4  # off
+    assert preplay_count(0, 4, 1.0, 0) == 0  # nothing to play
+
+
+def test_leading_calls_stop_at_the_first_thing_said_or_malformed_step():
+    steps = [{"tool": "get_value", "arguments": {"key": "k1"}}, {"name": "set_value", "arguments": {"key": "k1"}},
+             {"say": "done"}, {"tool": "get_value", "arguments": {}}]
+    assert [(c.name, c.arguments) for c in leading_calls(steps)] == [("get_value", {"key": "k1"}),
+                                                                       ("set_value", {"key": "k1"})]
+    assert leading_calls([{"tool": "x", "arguments": "not a dict"}, {"tool": "y"}]) == []
+    assert leading_calls(["junk"]) == [] and leading_calls([]) == []
+
+
+def test_preplayed_opening_plays_the_calls_and_stops_before_a_failing_one():
+    env = KVEnv(max_steps=3)
+    calls = leading_calls(reference_steps(kv_task(1)))
+    opening = preplayed_opening(env, kv_task(1), calls)
+    assert [m.role for m in opening] == ["system", "user", "assistant", "tool"]
+    assert opening[2].tool_calls[0].name == "get_value" and opening[2].tool_calls[0].id == "call_0_0"
+    assert json.loads(opening[3].content) == {"key": "k1", "value": 10}
+    assert env.state.steps == 1 and env.state.messages == opening and not env.done
+    bad = [*calls, calls[0].model_copy(update={"arguments": {"key": "k99"}})]  # the tool refuses it
+    opening = preplayed_opening(env, kv_task(1), bad)
+    assert [m.role for m in opening] == ["system", "user", "assistant", "tool"]
+    assert env.state.steps == 1 and env.state.tool_errors == 0 and env.state.messages == opening
+
+
+def test_start_late_episodes_begin_after_the_reference_lookups_then_whole_episodes(scripted):
+    cfg = TrainConfig(**{**FAST, "groups": 1, "iterations": 2, "start_late": 0.5, "filter_lookup_only": False})
+    source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, reference=reference_steps)
+    ro = AgentRollout(scripted, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
+    tok = scripted.tokenizer
+    late = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    prompt = tok.decode(late["prompt_ids"][0])
+    assert prompt.endswith('"value": 10}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    assert '"name": "get_value"' in prompt and late["prompt_ids"][0] == late["prompt_ids"][1]
+    # the agent's only turn is the answer: the lookup is the environment's, neither sampled nor trained
+    assert [tok.decode(c) for c in late["completion_ids"]] == ["The value is 10.<|im_end|>",
+                                                               "The value is 11.<|im_end|>"]
+    assert late["reward"] == [1.0, 0.0] and late["tool_calls"] == [1, 1]
+    assert ro.stats[0]["preplayed_calls"] == 1.0 and [ep.preplayed for ep in ro.last] == [1, 1]
+    whole = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=1)))  # past the first half
+    assert tok.decode(whole["prompt_ids"][0]).endswith("What is the value of k1?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(whole["completion_ids"][0]).startswith("<tool_call>")
+    assert ro.stats[1]["preplayed_calls"] == 0.0
+
+
+def test_start_late_without_a_reference_plays_whole_episodes(scripted):
+    cfg = TrainConfig(**{**FAST, "groups": 1, "start_late": 1.0})
+    ro = AgentRollout(scripted, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks)], cfg,
+                      make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    assert scripted.tokenizer.decode(out["completion_ids"][0]).startswith("<tool_call>")
+    assert ro.stats[0]["preplayed_calls"] == 0.0
 
 
 def test_efficiency_reward_in_rollouts(scripted):

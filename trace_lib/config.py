@@ -331,6 +331,12 @@ class TrainConfig(Section):
     """Hint swap: this share of each group's rollouts (rounded, at least one, never all) is played with
     the task's expert guidance in the opening, which is removed from the sequence before the gradient
     (training/hints.py); the authors use 25–50%. 0: off."""
+    start_late: float = Field(0.0, ge=0, le=1)
+    """Reverse curriculum: during the first `start_late` share of the iterations, episodes start after the
+    leading tool calls of the task's reference solution, which the environment plays (their calls and
+    results are part of the prompt, not trained): all of them at the first iteration, fewer as training
+    goes on, then none (training/grpo.py: `preplay_count`). A start near the goal gives a weak policy
+    rewards to learn from, and each such rollout is a short one. 0: off."""
     constrained: bool = True
     tool_choice: Literal["auto", "first", "required"] = "first"
     reward: RewardConfig = Field(default_factory=RewardConfig)

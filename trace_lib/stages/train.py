@@ -71,16 +71,17 @@ def _target_source(params: Params, root: Path) -> TrainSource:
         raise ValueError(f"the target {params.env.name!r} has no {params.rollout.split!r} tasks to train on")
     return TrainSource("target", lambda: make_env(params.env),
                        lambda seeds: [tasks[s % len(tasks)] for s in seeds],
-                       hint=lambda task: hint_from_steps(reference_steps(task)))
+                       hint=lambda task: hint_from_steps(reference_steps(task)), reference=reference_steps)
 
 
-def _solution_hint(box: SandboxProcess, task: Task) -> str | None:
-    """Expert guidance from the module's reference solution; None when `solve` fails (the rollout then
-    plays unguided)."""
+def _solution(box: SandboxProcess, task: Task) -> list:
+    """The module's reference solution of `task`; empty when `solve` fails (the rollout then plays
+    unguided and from the start)."""
     try:
-        return hint_from_steps(box.request("solve", task=task_payload(task)))
+        steps = box.request("solve", task=task_payload(task))
     except SandboxError:
-        return None
+        return []
+    return steps if isinstance(steps, list) else []
 
 
 def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weight: float = 1.0) -> TrainSource:
@@ -88,7 +89,8 @@ def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weig
     return TrainSource(capability,
                        lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode),
                        lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train"),
-                       weight, hint=lambda task: _solution_hint(box, task))
+                       weight, hint=lambda task: hint_from_steps(_solution(box, task)),
+                       reference=lambda task: _solution(box, task))
 
 
 def _resume_key(params: Params) -> str:

@@ -39,6 +39,12 @@ group are played from the opening with the task's expert guidance appended to th
 turns, so the gradient is taken as if the policy had acted that way unguided. A source without a
 `hint` function, or a task whose hint is None, plays every sample unguided.
 
+Reverse curriculum (`train.start_late`, a share R of the N iterations): at iteration i < L = ceil(R·N)
+an episode starts after the first ceil(n·(L-i)/L) of the n tool calls that lead the task's reference
+solution (`TrainSource.reference`); the environment plays them with their full results, and they are
+part of `prompt_ids`, so they are neither sampled nor trained. From iteration L on, episodes are whole.
+A source without a reference, or a task whose reference has no leading tool call, plays from the start.
+
 Samples (paper: "samples whose only action is a read-only lookup are filtered out"): a sample is
 one agent turn, i.e. one span of mask-1 tokens. With `filter_lookup_only` a turn whose action is
 only calls to read tools gets mask 0, except that an episode keeps at least its last turn.
@@ -49,6 +55,7 @@ normaliser of the default `dapo` loss and so dilutes the other groups.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +67,7 @@ from trace_lib.agent.policy import Policy
 from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
-from trace_lib.records import Message, Task
+from trace_lib.records import Message, Task, ToolCall
 from trace_lib.synth.rubric import item_means
 from trace_lib.training import distributed
 from trace_lib.training.hints import hinted_samples, with_hint
@@ -80,6 +87,8 @@ class TrainSource:
     weight: float = 1.0
     hint: Callable[[Task], str | None] | None = None
     """Expert guidance for a task (`training/hints.py`), or None where there is none."""
+    reference: Callable[[Task], Sequence[Any]] | None = None
+    """A task's reference actions ({"tool", "arguments"} or {"say"} steps), for `train.start_late`."""
 
 
 @dataclass
@@ -104,6 +113,8 @@ class Episode:
     sample_prompt_ids: list[int] | None = None
     """The opening the episode is played from when it differs from the trained `prompt_ids` (the
     hint swap: the opening with expert guidance; the guidance is not in the trained sequence)."""
+    preplayed: int = 0
+    """Reference tool calls the environment played before the agent's first turn (`train.start_late`)."""
     env_reward: float = 0.0
     rubric: dict[str, Any] | None = None
     """The environment's multi-level verdict ({"steps", "gates"}), when it gives one."""
@@ -146,15 +157,59 @@ def _lookup_only(msg: Message, kinds: dict[str, str]) -> bool:
     return msg.invalid is None and bool(msg.tool_calls) and all(kinds.get(c.name) == "read" for c in msg.tool_calls)
 
 
-def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
-                  hint: str | None = None) -> Episode:
-    """A new episode of `task`; with `hint`, played from the opening with that guidance while the
-    trained sequence starts from the opening without it."""
+def preplay_count(iteration: int, iterations: int, start_late: float, n_calls: int) -> int:
+    """How many of a reference's `n_calls` leading tool calls the environment plays before the agent's
+    first turn at `iteration` (0-based) of `iterations` (the reverse curriculum of `train.start_late`)."""
+    phase = math.ceil(start_late * iterations)
+    if n_calls <= 0 or iteration >= phase:
+        return 0
+    return math.ceil(n_calls * (phase - iteration) / phase)
+
+
+def leading_calls(steps: Sequence[Any]) -> list[ToolCall]:
+    """The tool calls a reference solution makes before it first says anything (malformed steps end it)."""
+    calls: list[ToolCall] = []
+    for step in steps:
+        name = step.get("tool", step.get("name")) if isinstance(step, dict) else None
+        args = step.get("arguments", {}) if isinstance(step, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(args, dict):
+            break
+        calls.append(ToolCall(name=name, arguments=args))
+    return calls
+
+
+def preplayed_opening(env: Environment, task: Task, calls: Sequence[ToolCall]) -> list[Message]:
+    """The opening of `task` followed by `calls` played one per assistant turn, each with its results.
+
+    Stops before a call that fails or would end the episode (and then replays the ones before it from a
+    fresh reset, so the environment's state is exactly the returned conversation's)."""
     opening = env.reset(task)
+    played: list[Message] = []
+    actions: list[Message] = []
+    for turn, call in enumerate(calls):
+        msg = Message(role="assistant", tool_calls=[call.model_copy(update={"id": f"call_{turn}_0"})])
+        result = env.step(msg)
+        if result.done or any(o.error for o in result.observations):
+            opening = env.reset(task)
+            for action in actions:
+                env.step(action)
+            break
+        actions.append(msg)
+        played += [msg, *result.observations]
+    return opening + played
+
+
+def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
+                  hint: str | None = None, preplay: Sequence[ToolCall] = ()) -> Episode:
+    """A new episode of `task`; with `hint`, played from the opening with that guidance while the
+    trained sequence starts from the opening without it; with `preplay`, started after those tool calls
+    (`preplayed_opening`)."""
+    opening = preplayed_opening(env, task, preplay) if preplay else env.reset(task)
     tools = env.tool_schemas()
     prompt = policy.encode(render_prompt(policy.tokenizer, opening, tools))
     guided = None if hint is None else policy.encode(render_prompt(policy.tokenizer, with_hint(opening, hint), tools))
-    return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided)
+    preplayed = sum(len(m.tool_calls) for m in opening if m.role == "assistant")
+    return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided, preplayed=preplayed)
 
 
 def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: int) -> dict[str, float]:
@@ -286,7 +341,7 @@ class AgentRollout:
         model.eval()  # no dropout while sampling; TRL switches back for the loss
         self.policy.clear_prefix_cache()  # the weights changed since the last iteration
         try:
-            episodes = self._start(prompts)
+            episodes = self._start(prompts, iteration)
             timing = play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
         finally:
             model.train(was_training)
@@ -317,7 +372,7 @@ class AgentRollout:
             "tool_calls": [ep.tool_calls for ep in episodes],
         }
 
-    def _start(self, prompts: list[Any]) -> list[Episode]:
+    def _start(self, prompts: list[Any], iteration: int = 0) -> list[Episode]:
         keys = [parse_key(p) for p in prompts]
         by_source: dict[str, list[int]] = {}
         for source, seed in dict.fromkeys(keys):  # unique, in order
@@ -332,16 +387,21 @@ class AgentRollout:
             tasks.update({(source, s): t for s, t in zip(seeds, made, strict=True)})
         guided = set(hinted_samples(self.cfg.group_size, self.cfg.hint_fraction))
         hints: dict[tuple[str, int], str | None] = {}
+        preplay: dict[tuple[str, int], list[ToolCall]] = {}
         episodes, sample = [], 0
         for i, key in enumerate(keys):
             sample = sample + 1 if i and keys[i - 1] == key else 0
             source = self.sources[key[0]]
             if sample in guided and source.hint is not None and key not in hints:
                 hints[key] = source.hint(tasks[key])
+            if key not in preplay:
+                late = lambda n: preplay_count(iteration, self.cfg.iterations, self.cfg.start_late, n)  # noqa: E731
+                calls = leading_calls(source.reference(tasks[key])) if source.reference and late(1) else []
+                preplay[key] = calls[:late(len(calls))]
             env = source.make_env()
             env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
             episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
-                                          hint=hints.get(key) if sample in guided else None))
+                                          hint=hints.get(key) if sample in guided else None, preplay=preplay[key]))
         return episodes
 
     def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], list[bool]]:
@@ -364,7 +424,7 @@ def _summary(ep: Episode, trained_tokens: int, group_dropped: bool) -> dict[str,
     """What the iteration's statistics need of one scored episode (picklable, for `distributed.gather`)."""
     return {"reward": ep.reward, "success": ep.success, "hinted": ep.hinted, "env_reward": ep.env_reward,
             "rubric": ep.rubric, "tool_calls": ep.tool_calls, "agent_tokens": ep.agent_tokens,
-            "trained_tokens": trained_tokens, "group_dropped": group_dropped}
+            "trained_tokens": trained_tokens, "group_dropped": group_dropped, "preplayed": ep.preplayed}
 
 
 def iteration_stats(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -386,6 +446,7 @@ def iteration_stats(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "env_score": sum(d["env_reward"] for d in done) / n,
         "rubric": item_means([d["rubric"] for d in done]) or None,
         "tool_calls": sum(d["tool_calls"] for d in done) / n,
+        "preplayed_calls": sum(d.get("preplayed", 0) for d in done) / n,
         "completion_tokens": sum(d["agent_tokens"] for d in done),
         "completion_length": sum(d["agent_tokens"] for d in done) / n,
         "trained_tokens": sum(d["trained_tokens"] for d in done),
