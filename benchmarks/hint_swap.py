@@ -68,7 +68,8 @@ def main() -> None:
             # adapter names may not contain "."
             name = (f"hint{round(100 * fraction)}-pc{round(100 * credit)}"
                     + (f"-lr{lr:.2e}".replace(".", "p") if args.lrs else "")
-                    + (f"-late{round(100 * late)}" if args.start_lates else ""))
+                    + (f"-late{round(100 * late)}" if args.start_lates else "")
+                    + (f"-s{seed}" if args.seed is not None else ""))
             cfg = params.train.model_copy(update={"hint_fraction": fraction, "iterations": args.iterations,
                                                   "start_late": late, "groups": args.groups or params.train.groups,
                                                   "learning_rate": lr, "snapshots": args.eval_every > 0,
@@ -102,7 +103,7 @@ def main() -> None:
         env = (lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode), tasks)
         t0 = time.perf_counter()
         rows = interference_matrix(policy, sorted(adapters), {args.capability: env},
-                                   eval_rollout_config(params.rollout, params.evaluate), params.seed)
+                                   eval_rollout_config(params.rollout, params.evaluate), seed)
         result["held_out"] = {r["adapter"]: f"{r['successes']}/{r['n']}" for r in rows}
         result["eval_seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=1))

@@ -241,6 +241,7 @@ def test_preplay_count_steps_down_from_every_leading_call_to_none():
     assert [preplay_count(i, 5, 1.0, 1) for i in range(5)] == [1] * 5
     assert [preplay_count(i, 4, 0.0, 2) for i in range(4)] == [0] * 4  # off
     assert preplay_count(0, 4, 1.0, 0) == 0  # nothing to play
+    assert [preplay_count(i, 100, 0.07, 1) for i in (6, 7)] == [1, 0]  # 0.07 * 100 != 7 in floating point
 
 
 def test_leading_calls_stop_at_the_first_thing_said_or_malformed_step():
@@ -250,6 +251,8 @@ def test_leading_calls_stop_at_the_first_thing_said_or_malformed_step():
                                                                        ("set_value", {"key": "k1"})]
     assert leading_calls([{"tool": "x", "arguments": "not a dict"}, {"tool": "y"}]) == []
     assert leading_calls(["junk"]) == [] and leading_calls([]) == []
+    kinds = {t.name: t.kind for t in KVEnv().tools}
+    assert [c.name for c in leading_calls(steps, kinds)] == ["get_value"]  # up to the first write
 
 
 def test_preplayed_opening_plays_the_calls_and_stops_before_a_failing_one():
@@ -264,6 +267,11 @@ def test_preplayed_opening_plays_the_calls_and_stops_before_a_failing_one():
     opening = preplayed_opening(env, kv_task(1), bad)
     assert [m.role for m in opening] == ["system", "user", "assistant", "tool"]
     assert env.state.steps == 1 and env.state.tool_errors == 0 and env.state.messages == opening
+    write = calls[0].model_copy(update={"name": "set_value", "arguments": {"key": "k1", "value": 5}})
+    opening = preplayed_opening(env, kv_task(1), [write, *calls])  # a write is never played for the agent
+    assert [m.role for m in opening] == ["system", "user"] and env.state.steps == 0 and env.db["k1"] == 10
+    short = KVEnv(max_steps=1)  # the call would end the episode: not played
+    assert [m.role for m in preplayed_opening(short, kv_task(1), calls)] == ["system", "user"] and not short.done
 
 
 def test_start_late_episodes_begin_after_the_reference_lookups_then_whole_episodes(scripted):
@@ -284,6 +292,36 @@ def test_start_late_episodes_begin_after_the_reference_lookups_then_whole_episod
     assert tok.decode(whole["prompt_ids"][0]).endswith("What is the value of k1?<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(whole["completion_ids"][0]).startswith("<tool_call>")
     assert ro.stats[1]["preplayed_calls"] == 0.0
+
+
+def test_start_late_off_never_asks_for_the_reference(scripted):
+    def reference(task):
+        raise AssertionError("the reference was asked for")
+
+    cfg = TrainConfig(**{**FAST, "groups": 1})
+    ro = AgentRollout(scripted, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, reference=reference)], cfg,
+                      make_reward(cfg.reward), lambda n: None, seed=0)
+    ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    assert ro.stats[0]["preplayed_calls"] == 0.0
+
+
+def test_start_late_with_the_hint_swap_trains_the_late_prompt_without_the_guidance(scripted):
+    policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
+    policy.seen = []
+    cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 4, "hint_fraction": 0.5, "start_late": 1.0,
+                         "filter_lookup_only": False})
+    source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: "Say the value.",
+                         reference=reference_steps)
+    ro = AgentRollout(policy, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["kv:1001"] * 4, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    tok = policy.tokenizer
+    assert all(ids == out["prompt_ids"][0] for ids in out["prompt_ids"])  # one trained prompt, no guidance
+    trained = tok.decode(out["prompt_ids"][0])
+    assert HINT_OPEN not in trained and '"name": "get_value"' in trained
+    sampled = [tok.decode(ids) for ids in policy.seen[0]]
+    assert [HINT_OPEN in t for t in sampled] == [False, False, True, True]
+    assert all(t.endswith('"value": 10}\n</tool_response><|im_end|>\n<|im_start|>assistant\n') for t in sampled)
+    assert out["reward"] == [0.0, 0.0, 1.0, 1.0] and [ep.preplayed for ep in ro.last] == [1] * 4
 
 
 def test_start_late_without_a_reference_plays_whole_episodes(scripted):

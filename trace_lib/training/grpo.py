@@ -39,11 +39,14 @@ group are played from the opening with the task's expert guidance appended to th
 turns, so the gradient is taken as if the policy had acted that way unguided. A source without a
 `hint` function, or a task whose hint is None, plays every sample unguided.
 
-Reverse curriculum (`train.start_late`, a share R of the N iterations): at iteration i < L = ceil(R·N)
-an episode starts after the first ceil(n·(L-i)/L) of the n tool calls that lead the task's reference
-solution (`TrainSource.reference`); the environment plays them with their full results, and they are
-part of `prompt_ids`, so they are neither sampled nor trained. From iteration L on, episodes are whole.
-A source without a reference, or a task whose reference has no leading tool call, plays from the start.
+Reverse curriculum (`train.start_late`, a share R of the N = `train.iterations`): at iteration i < L =
+ceil(R·N) an episode starts after the first ceil(n·(L-i)/L) of the n read-tool calls that lead the task's
+reference solution (`TrainSource.reference`; up to its first message or write); the environment plays them
+with their full results, and they are part of `prompt_ids`, so they are neither sampled nor trained. From
+iteration L on, episodes are whole (if a rollout budget stops training early, possibly never). A source
+without a reference, or a task whose reference starts otherwise, plays from the start. Played calls count
+as the episode's tool calls (the efficiency reward's count) and turns (`max_steps`); `tool_choice: first`
+then no longer forces the agent's first own turn, which usually has to answer.
 
 Samples (paper: "samples whose only action is a read-only lookup are filtered out"): a sample is
 one agent turn, i.e. one span of mask-1 tokens. With `filter_lookup_only` a turn whose action is
@@ -159,44 +162,62 @@ def _lookup_only(msg: Message, kinds: dict[str, str]) -> bool:
 
 def preplay_count(iteration: int, iterations: int, start_late: float, n_calls: int) -> int:
     """How many of a reference's `n_calls` leading tool calls the environment plays before the agent's
-    first turn at `iteration` (0-based) of `iterations` (the reverse curriculum of `train.start_late`)."""
-    phase = math.ceil(start_late * iterations)
+    first turn at `iteration` (0-based) of `iterations` (`train.iterations`, the reverse curriculum of
+    `train.start_late`)."""
+    phase = math.ceil(round(start_late * iterations, 9))  # 0.07 * 100 is 7.000000000000001
     if n_calls <= 0 or iteration >= phase:
         return 0
     return math.ceil(n_calls * (phase - iteration) / phase)
 
 
-def leading_calls(steps: Sequence[Any]) -> list[ToolCall]:
-    """The tool calls a reference solution makes before it first says anything (malformed steps end it)."""
+def leading_calls(steps: Sequence[Any], kinds: dict[str, str] | None = None) -> list[ToolCall]:
+    """The tool calls a reference solution makes before it first says anything (malformed steps end it);
+    with the environment's tool `kinds`, only those before its first call that is not a read."""
     calls: list[ToolCall] = []
     for step in steps:
         name = step.get("tool", step.get("name")) if isinstance(step, dict) else None
         args = step.get("arguments", {}) if isinstance(step, dict) else None
         if not isinstance(name, str) or not name or not isinstance(args, dict):
             break
+        if kinds is not None and kinds.get(name) != "read":
+            break
         calls.append(ToolCall(name=name, arguments=args))
     return calls
 
 
-def preplayed_opening(env: Environment, task: Task, calls: Sequence[ToolCall]) -> list[Message]:
-    """The opening of `task` followed by `calls` played one per assistant turn, each with its results.
+def _replay(env: Environment, task: Task, actions: Sequence[Message]) -> bool:
+    """Reset to `task` and take `actions`; False when one fails (a refused call) or ends the episode."""
+    env.reset(task)
+    for action in actions:
+        result = env.step(action)
+        if result.done or any(o.error for o in result.observations):
+            return False
+    return True
 
-    Stops before a call that fails or would end the episode (and then replays the ones before it from a
-    fresh reset, so the environment's state is exactly the returned conversation's)."""
-    opening = env.reset(task)
-    played: list[Message] = []
+
+def preplayed_opening(env: Environment, task: Task, calls: Sequence[ToolCall]) -> list[Message]:
+    """The opening of `task` followed by `calls` played one per assistant turn, each with its results:
+    the environment's conversation after them, which it is left in.
+
+    Only read tools are played, and nothing from the first call that is not one, that the environment
+    refuses or that would end the episode: a write played for the agent would be unconfirmed (retail
+    scores that 0), and a failed call would teach from a broken start. The calls played count as the
+    episode's tool calls and turns (`max_steps`)."""
+    kinds = env.tool_kinds()
+    env.reset(task)
     actions: list[Message] = []
     for turn, call in enumerate(calls):
+        if kinds.get(call.name) != "read":
+            break
         msg = Message(role="assistant", tool_calls=[call.model_copy(update={"id": f"call_{turn}_0"})])
         result = env.step(msg)
         if result.done or any(o.error for o in result.observations):
-            opening = env.reset(task)
-            for action in actions:
-                env.step(action)
+            if not _replay(env, task, actions):  # not deterministic after all: start from the opening
+                env.reset(task)
             break
         actions.append(msg)
-        played += [msg, *result.observations]
-    return opening + played
+    assert env.state is not None
+    return list(env.state.messages)
 
 
 def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
@@ -394,11 +415,12 @@ class AgentRollout:
             source = self.sources[key[0]]
             if sample in guided and source.hint is not None and key not in hints:
                 hints[key] = source.hint(tasks[key])
+            env = source.make_env()
             if key not in preplay:
                 late = lambda n: preplay_count(iteration, self.cfg.iterations, self.cfg.start_late, n)  # noqa: E731
-                calls = leading_calls(source.reference(tasks[key])) if source.reference and late(1) else []
+                calls = (leading_calls(source.reference(tasks[key]), env.tool_kinds())
+                         if source.reference and late(1) else [])
                 preplay[key] = calls[:late(len(calls))]
-            env = source.make_env()
             env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
             episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
                                           hint=hints.get(key) if sample in guided else None, preplay=preplay[key]))
