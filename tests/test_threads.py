@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -30,6 +33,24 @@ def test_read_cpu_sample_on_this_machine() -> None:
     if sample is None:
         pytest.skip("no /proc/stat here: the governor leaves the thread count alone")
     assert sample.cpus >= 1 and 0 <= sample.busy <= sample.total and sample.own >= 0
+
+
+def test_forked_children_count_as_this_process() -> None:
+    """A forked tool call (envs/limits.py) is this process's work: counted as other processes' load, a
+    turn's tool calls made the governor run the next prefill on one thread on an idle machine."""
+    if read_cpu_sample() is None or not hasattr(os, "fork"):
+        pytest.skip("no /proc/stat or no fork here: the governor leaves the thread count alone")
+    before = read_cpu_sample()
+    pid = os.fork()
+    if pid == 0:  # the child: burn 0.3 s of CPU, then leave without running any cleanup
+        start = time.process_time()
+        while time.process_time() - start < 0.3:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+    after = read_cpu_sample()
+    assert before is not None and after is not None
+    assert (after.own - before.own) / os.sysconf("SC_CLK_TCK") >= 0.2  # the child's 0.3 s, tick-rounded
 
 
 class _FakeCpu:

@@ -40,7 +40,8 @@ def pick_threads(others_busy: float, cpus: int, max_threads: int) -> int:
 
 @dataclass(frozen=True)
 class CpuSample:
-    """Clock ticks since boot: the CPUs' busy and total time, this process's (all its threads)."""
+    """Clock ticks since boot: the CPUs' busy and total time, this process's (all its threads and its
+    waited-for children: the forked tool calls are this process's work, not competing load)."""
 
     busy: int
     total: int
@@ -63,7 +64,12 @@ def read_cpu_sample() -> CpuSample | None:
             lines = f.read().splitlines()
         with open("/proc/self/stat") as f:
             own_fields = f.read().rsplit(")", 1)[1].split()
-        own = int(own_fields[11]) + int(own_fields[12])  # utime + stime (fields 14 and 15 of the whole line)
+        # utime + stime + cutime + cstime (fields 14-17 of the whole line): this process's threads and its
+        # waited-for children, i.e. the forked tool calls (envs/limits.py). Counted as other processes' use,
+        # their ~40 ms per call (mostly tearing down the copied address space) kept a whole rollout at one
+        # thread for the long prefill after each turn's tool calls: 268 s against 213 s at a fixed 2 threads
+        # on the idle machine (benchmarks/README.md, 2026-11-25).
+        own = sum(int(own_fields[i]) for i in (11, 12, 13, 14))
         allowed = _allowed_cpus()
         busy = total = cpus = 0
         for line in lines:
