@@ -51,9 +51,9 @@ class _ThreadLog:
 
 def _row(name: str, params, policy, tasks, log: _ThreadLog) -> dict:
     gov = threads.governor()
-    if name == "governed":
+    if name == "governed":  # undo an earlier row's fix(): the full count, and no sample from before this row
         gov.fixed, gov.max_threads = False, log.full
-        torch.set_num_threads(log.full)
+        gov.restore()
     else:
         gov.fix(int(name.split("-", 1)[1]))
     start, n_calls = time.perf_counter(), len(log.calls)
