@@ -139,3 +139,19 @@ def test_tools_with_shared_defs_compile(smollm2_tokenizer):
     schema = call_schema(tools + TOOLS)
     assert schema["$defs"]["Flight"]["properties"]["number"]["maxLength"] > 0
     compile_tool_grammar(smollm2_tokenizer, tools + TOOLS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: the grammar's masking on a GPU against the same on CPU")
+def test_cuda_constrained_decoding_equals_cpu(tiny_model_dir):
+    greedy = {}
+    for device in ("cpu", "cuda"):
+        pol = load_policy(tiny_model_dir, dtype="float32", device=device)
+        pol.grammar_options = {"max_string_chars": 10, "max_text_chars": 40, "require_tool_call": True}
+        gens = pol.generate(CONVS, TOOLS, temperature=0.0, max_new_tokens=96, seed=0, constrained=True)
+        sampled = pol.generate(CONVS, TOOLS, temperature=1.0, max_new_tokens=96, seed=5, constrained=True)
+        assert all(g.message.tool_calls for g in gens), device
+        assert all(g.message.invalid is None for g in sampled), device  # the mask holds on the GPU's draw too
+        greedy[device] = [g.text for g in gens]
+    assert greedy["cuda"] == greedy["cpu"]

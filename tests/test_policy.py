@@ -151,6 +151,19 @@ def test_sample_tokens_top_p_keeps_the_nucleus():
     assert int(sample_tokens(logits, 0.0, 1.0, gens)) == 0
 
 
+def test_the_on_device_draw_is_the_draw_multinomial_makes():
+    # sample_tokens on a GPU draws argmax(p / q), q ~ Exp(1), from the row's generator: checked here on the
+    # CPU against torch.multinomial with generators in the same state
+    probs = torch.rand(4, 300, generator=torch.Generator().manual_seed(0)).pow(4).softmax(dim=-1)
+    for seed in range(20):
+        ref = [int(torch.multinomial(probs[i], 1, generator=torch.Generator().manual_seed(seed * 10 + i)))
+               for i in range(4)]
+        q = torch.empty_like(probs)
+        for i in range(4):
+            q[i].exponential_(1.0, generator=torch.Generator().manual_seed(seed * 10 + i))
+        assert (probs / q).argmax(dim=-1).tolist() == ref
+
+
 def test_bad_arguments_raise_clearly(policy, tmp_path):
     with pytest.raises(ValueError, match="max_new_tokens"):
         policy.generate(convs(1), TOOLS, temperature=0.0, max_new_tokens=0, seed=0)
@@ -302,13 +315,15 @@ def test_the_engine_runs_where_the_weights_are(tiny_model_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs CUDA: the engine on a GPU against the same engine on CPU")
-def test_cuda_decodes_the_tokens_the_cpu_decodes(tiny_model_dir):
+def test_cuda_greedy_equals_cpu_and_cuda_sampling_is_seeded(tiny_model_dir):
     convs = [[Message(role="user", content=f"Say something about {w}.")] for w in ("cats", "orders", "refunds")]
-    outs = {}
+    greedy, sampled = {}, {}
     for device in ("cpu", "cuda"):
         pol = load_policy(tiny_model_dir, dtype="float32", device=device)
         assert pol.device.type == device
-        greedy = pol.generate(convs, [], max_new_tokens=12, seed=0)
-        sampled = pol.generate(convs, [], max_new_tokens=12, seed=3, temperature=0.8)
-        outs[device] = ([g.text for g in greedy], [g.text for g in sampled])
-    assert outs["cuda"] == outs["cpu"]
+        greedy[device] = [g.text for g in pol.generate(convs, [], max_new_tokens=12, seed=0)]
+        sampled[device] = [[g.text for g in pol.generate(convs, [], max_new_tokens=12, seed=s, temperature=0.8)]
+                           for s in (3, 3, 4)]
+    assert greedy["cuda"] == greedy["cpu"]
+    for device in ("cpu", "cuda"):  # the same seed draws the same tokens; another seed, others
+        assert sampled[device][0] == sampled[device][1] != sampled[device][2]

@@ -170,8 +170,11 @@ class ToolCallLogitsProcessor(LogitsProcessor):
         for j in active:
             self.matchers[j].fill_next_token_bitmask(self._bitmask, j)
         if active:
+            # off the CPU, plain torch ops rather than xgrammar's default there (a Triton kernel compiled
+            # at first use): one masking per decoding step costs little either way
             xgr.apply_token_bitmask_inplace(scores, self._bitmask[: scores.shape[0]].to(scores.device),
-                                            vocab_size=min(scores.shape[-1], self.vocab_size), indices=active)
+                                            vocab_size=min(scores.shape[-1], self.vocab_size), indices=active,
+                                            backend="cpu" if scores.device.type == "cpu" else "torch_native")
             if scores.shape[-1] > self.vocab_size:  # padded output rows beyond the tokenizer never fit
                 scores[active, self.vocab_size:] = float("-inf")
         return scores

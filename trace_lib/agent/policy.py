@@ -81,19 +81,29 @@ class GenerationStats:
         return {**self.__dict__, "completion_tokens_per_second": self.completion_tokens_per_second}
 
 
-def _row_generators(seed: int, n: int) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(row_seed(seed, i)) for i in range(n)]
+def _row_generators(seed: int, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
+    """One generator per row, seeded by the row's index: a row's draws never depend on the other rows.
+    CPU generators on the CPU; on an accelerator, generators of that device (`sample_tokens`)."""
+    device = torch.device(device)
+    kind = "cpu" if device.type == "cpu" else device
+    return [torch.Generator(device=kind).manual_seed(row_seed(seed, i)) for i in range(n)]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]) -> torch.Tensor:
     """One token per row: greedy at temperature 0, else nucleus sampling with each row's generator.
 
-    The row generators live on the CPU (so a seed draws the same tokens on any device): the
-    probabilities are brought there for the draw and the tokens go back to the logits' device."""
+    With CPU generators the probabilities are brought to the CPU for the draw (`torch.multinomial`) and
+    the tokens go back to the logits' device. With generators of the logits' device (a GPU), the draw
+    stays there: the same method `torch.multinomial` uses for one sample (the argmax of p / q with
+    q ~ Exp(1)), each row's q from its own generator. Measured on an H100 with 16 CPU threads, the CPU
+    draw cost 1.5 ms per row (49k exponentials, serial), ~90 ms of a batch-64 decoding step; on the
+    GPU it is one small kernel per row. A GPU's draws differ from the CPU's for the same seed."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
     device = logits.device
-    logits = logits.float().cpu() / temperature
+    on_device = device.type != "cpu" and bool(gens) and gens[0].device.type == device.type
+    logits = logits.float() if on_device else logits.float().cpu()
+    logits = logits / temperature
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
@@ -101,6 +111,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: 
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
+    if on_device:
+        q = torch.empty_like(probs)
+        for i, g in enumerate(gens):
+            q[i].exponential_(1.0, generator=g)
+        return (probs / q).argmax(dim=-1)
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gens)]).to(device)
 
 
@@ -312,7 +327,7 @@ class Policy:
 
         n = len(prompts)
         rows = list(range(n))  # batch position -> original row
-        gens = _row_generators(seed, n)
+        gens = _row_generators(seed, n, mask.device)
         outs: list[list[int]] = [[] for _ in range(n)]
         finish = ["length"] * n
         positions = mask.sum(dim=-1)  # next position id of each row
