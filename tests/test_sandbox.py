@@ -108,6 +108,14 @@ def test_child_env_drops_secrets_and_proxies():
     assert Path(env["PYTHONPATH"], "trace_lib", "synth", "sandbox.py").is_file()
 
 
+def test_child_env_keeps_the_parents_import_path_after_trace():
+    # packages installed onto a path (pip install --target, as on a GPU node) must load in the worker too
+    env = child_env({"PYTHONPATH": "/opt/site:/opt/more", "HF_TOKEN": "x"})
+    root, *rest = env["PYTHONPATH"].split(":")
+    assert Path(root, "trace_lib", "synth", "sandbox.py").is_file()
+    assert rest == ["/opt/site", "/opt/more"] and "HF_TOKEN" not in env
+
+
 def test_nproc_limit_only_where_the_kernel_enforces_it():
     if os.geteuid() == 0:  # root is exempt from RLIMIT_NPROC; the worker's os.fork fence covers it
         assert not nproc_limit_works()

@@ -221,8 +221,11 @@ def child_env(parent: dict[str, str] | None = None, scratch: str | None = None) 
     env = {k: parent[k] for k in _KEEP_ENV if k in parent}
     env.setdefault("PATH", "/usr/bin:/bin")
     package_root = str(Path(__file__).resolve().parents[2])
+    # site-packages come from the interpreter (the venv) itself; the parent's own PYTHONPATH entries follow
+    # trace's root, so packages installed onto a path (`pip install --target`, cluster modules) load too
+    extra = [p for p in parent.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
     env.update({
-        "PYTHONPATH": package_root,  # site-packages come from the interpreter (the venv) itself
+        "PYTHONPATH": os.pathsep.join([package_root, *extra]),
         "PYTHONHASHSEED": "0",  # set/dict order of strings repeats across processes
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
