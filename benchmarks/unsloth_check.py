@@ -55,6 +55,15 @@ import time
 import traceback
 from pathlib import Path
 
+# --shape: the model folder's own config, or the paper profile's model shape (Llama-3.1-8B-Instruct's
+# published sizes) with the folder's tokenizer, for memory and step time with random weights; RoPE stays
+# the folder's (it does not change the cost)
+SHAPES: dict[str, dict] = {
+    "model": {},
+    "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                     "tie_word_embeddings": False},
+}
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
@@ -141,18 +150,23 @@ def prepare(args) -> dict:
                 shutil.copy2(f, dst / f.name)
         return {"model": str(src), "weights": "real"}
     config = AutoConfig.from_pretrained(src)
+    for key, value in SHAPES[args.shape].items():
+        setattr(config, key, value)
     if args.tiny:
         config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 64, 128
         config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 16
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # an 8B-shaped model is initialised on the GPU (seconds; tens of minutes on the CPU)
+    device = "cuda" if args.shape != "model" and torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(dst)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
     n = sum(p.numel() for p in model.parameters())
     return {"model": str(src), "weights": "random (seed 0), config and tokenizer of the model folder",
-            "tiny": bool(args.tiny), "params": n}
+            "shape": args.shape, "tiny": bool(args.tiny), "params": n, "init_device": device}
 
 
 # ------------------------------------------------------------------------------------ train
@@ -189,9 +203,8 @@ def train(args, mode: str) -> dict:
         from peft import LoraConfig
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-        if cuda:
-            model = model.cuda()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                     device_map="cuda" if cuda else None)
         peft_config = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
                                  target_modules=TARGET_MODULES, task_type="CAUSAL_LM")
     res["load_s"] = round(time.perf_counter() - t0, 2)
@@ -362,6 +375,8 @@ def main() -> None:
     ap.add_argument("--model-dir", default="data/model")
     ap.add_argument("--random-init", action="store_true", help="config + tokenizer only, random bf16 weights")
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64 (CPU smoke test)")
+    ap.add_argument("--shape", default="model", choices=sorted(SHAPES),
+                    help="with --random-init: the folder's config, or an 8B-shaped Llama (the paper profile)")
     ap.add_argument("--modes", default="unsloth,plain,reload")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8, help="per-device batch (completions per step)")
@@ -395,7 +410,8 @@ def main() -> None:
     passthrough += ["--random-init"] * args.random_init + ["--tiny"] * args.tiny
     result: dict = {"command": " ".join(sys.argv), "work": str(work),
                     "settings": {k: getattr(args, k) for k in ("steps", "batch", "num_generations", "grad_accum",
-                                 "max_completion_length", "rank", "alpha", "lr", "random_init", "tiny")}}
+                                 "max_completion_length", "rank", "alpha", "lr", "random_init", "tiny",
+                                 "shape")}}
     for part in ["prepare"] + modes:
         print(f"=== {part}", flush=True)
         part_file = work / f"part_{part}.json"
