@@ -513,7 +513,9 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
     # SmolLM2-135M (the only real weights these machines have) on one GPU, at the budgets a plain GRPO loop
     # needed there to teach it a one-turn skill (320-640 rollouts, lr 2e-4-5e-4, hint swap): 640 rollouts per
-    # adapter, 56 tasks per split, every method. Not yet timed on a GPU (README: Running at scale).
+    # adapter, 56 tasks per split, every method. Not yet run end to end on a GPU: on an H100 (2026-11-25, before
+    # sampling moved onto the GPU) the rollout stage took 3.5 min and training ~95 s per iteration of 64
+    # rollouts, so these budgets need well over 30 min there (README: Running at scale).
     "gpu": {
         "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto"},
         "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4},  # 7 families x 8 = 56 tasks per split
