@@ -1,0 +1,61 @@
+"""Milliseconds per decoding step of trace's engine, and where they go (cProfile), on the CPU or a GPU.
+
+The tests' tiny random model (2 layers, hidden 64, SmolLM2's tokenizer and vocabulary), so the model's own
+compute is small and the step's fixed costs show: sampling, grammar masks, transfers, Python. 64 conversations
+(the `gpu` profile's batch), 64 new tokens at temperature 0.8, unconstrained and constrained (xgrammar), after one
+warm-up call each. Needs the packaged GGUF (for the tokenizer) and a pytest cache folder, as the tests do.
+
+    python benchmarks/decode_step_profile.py --devices cpu,cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from conftest import _cached_tokenizer, build_tiny_model  # noqa: E402
+from test_grammar import CONVS, TOOLS  # noqa: E402
+
+from trace_lib.agent.policy import load_policy  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--devices", default="cpu")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--top", type=int, default=12, help="cProfile rows shown (by own time)")
+    args = ap.parse_args()
+    tok = _cached_tokenizer(Path(".pytest_cache/d/trace_smollm2_tokenizer"))
+    model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny_")), tok)
+    convs = (CONVS * args.batch)[: args.batch]
+    for device in args.devices.split(","):
+        pol = load_policy(model_dir, dtype="bfloat16", device=device)
+        pol.grammar_options = {"max_string_chars": 10, "max_text_chars": 40, "require_tool_call": True}
+        for constrained in (False, True):
+            kw = dict(temperature=0.8, max_new_tokens=args.new_tokens, seed=1, constrained=constrained)
+            pol.generate(convs, TOOLS, **kw)  # warm-up
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            gens = pol.generate(convs, TOOLS, **kw)
+            prof.disable()
+            seconds = time.perf_counter() - t0
+            steps = max(len(pol.tokenizer(g.text)["input_ids"]) for g in gens)  # the longest row's steps
+            print(f"=== {device} constrained={constrained}: {seconds:.2f} s, ~{steps} steps, "
+                  f"{1000 * seconds / max(steps, 1):.1f} ms/step")
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+            print(out.getvalue().split("\n", 6)[-1])
+
+
+if __name__ == "__main__":
+    main()
