@@ -54,7 +54,8 @@ def main() -> None:
                   f"{1000 * seconds / max(steps, 1):.1f} ms/step")
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
-            print(out.getvalue().split("\n", 6)[-1])
+            text = out.getvalue()
+            print(text[text.index("   ncalls"):])
 
 
 if __name__ == "__main__":
