@@ -43,15 +43,16 @@ def main() -> None:
         for constrained in (False, True):
             kw = dict(temperature=0.8, max_new_tokens=args.new_tokens, seed=1, constrained=constrained)
             pol.generate(convs, TOOLS, **kw)  # warm-up
-            prof = cProfile.Profile()
             t0 = time.perf_counter()
-            prof.enable()
-            gens = pol.generate(convs, TOOLS, **kw)
-            prof.disable()
+            gens = pol.generate(convs, TOOLS, **kw)  # timed without the profiler
             seconds = time.perf_counter() - t0
-            steps = max(len(pol.tokenizer(g.text)["input_ids"]) for g in gens)  # the longest row's steps
-            print(f"=== {device} constrained={constrained}: {seconds:.2f} s, ~{steps} steps, "
-                  f"{1000 * seconds / max(steps, 1):.1f} ms/step")
+            steps = max(g.completion_tokens for g in gens)  # decoding steps: the longest row's tokens
+            print(f"=== {device} constrained={constrained}: {seconds:.2f} s for {len(gens)} rows, {steps} steps, "
+                  f"{1000 * seconds / steps:.1f} ms per step (prefill included)")
+            prof = cProfile.Profile()
+            prof.enable()
+            pol.generate(convs, TOOLS, **kw)
+            prof.disable()
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
             text = out.getvalue()

@@ -7,8 +7,10 @@ snapshots are left out):
 - every tensor in `adapter_model.safetensors` loads into a LoRA module of `PeftModel.from_pretrained` on the
   CPU base model (float32), with equal values;
 - the adapter moves the logits of a fixed retail prompt (max |logit change| against the adapter disabled);
-- with CUDA, the same adapter on the base model in the run's dtype on the GPU: max |logit difference| to
-  the CPU's and the share of positions whose top token agrees.
+- every LoRA weight of the loaded model came from the file (none left at its initial value);
+- with CUDA, the same adapter on the base model in `--dtype` (default bf16) on the GPU: max |logit difference|
+  to the CPU's float32 and the share of positions whose top token agrees (dtype and device together;
+  informational, not part of `ok`).
 
     python benchmarks/reload_adapters.py --root . --out /tmp/reload.json
 """
@@ -49,8 +51,10 @@ def check(model_dir: Path, adapter: Path, ids: torch.Tensor, dtype: torch.dtype)
             missing.append(key)
         elif torch.equal(params[name].detach().to(tensor.dtype), tensor):
             equal += 1
+    lora_weights = sum(1 for name in params if ".lora_A." in name or ".lora_B." in name)
     cpu_on, cpu_off = _logits(model, ids)
     res = {"saved_tensors": len(saved), "loaded_equal": equal, "not_found": missing[:5],
+           "model_lora_weights": lora_weights,
            "adapter_effect_max_abs_logit_cpu": round(float((cpu_on - cpu_off).abs().max()), 5)}
     if torch.cuda.is_available():
         gbase = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map="cuda")
@@ -59,7 +63,8 @@ def check(model_dir: Path, adapter: Path, ids: torch.Tensor, dtype: torch.dtype)
         res["gpu_dtype"] = str(dtype).removeprefix("torch.")
         res["gpu_vs_cpu_max_abs_logit"] = round(float((gpu_on - cpu_on).abs().max()), 5)
         res["gpu_vs_cpu_top1_agree"] = round(float((gpu_on.argmax(-1) == cpu_on.argmax(-1)).float().mean()), 4)
-    res["ok"] = not missing and equal == len(saved) and res["adapter_effect_max_abs_logit_cpu"] > 0
+    res["ok"] = (not missing and equal == len(saved) == lora_weights
+                 and res["adapter_effect_max_abs_logit_cpu"] > 0)
     return res
 
 

@@ -396,6 +396,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
+    if args.shape != "model" and not args.random_init:
+        ap.error("--shape sets a model's sizes for random weights: it needs --random-init")
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - {"unsloth", "plain", "plain_nockpt", "reload"}
     if unknown:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trace_lib.agent.kvcache import shared_prefix
-from trace_lib.agent.policy import Generation, load_policy, sample_tokens
+from trace_lib.agent.policy import Generation, exponential_draw, load_policy, sample_tokens
 from trace_lib.records import Message
 
 TOOLS = [{"type": "function", "function": {
@@ -151,17 +151,24 @@ def test_sample_tokens_top_p_keeps_the_nucleus():
     assert int(sample_tokens(logits, 0.0, 1.0, gens)) == 0
 
 
-def test_the_on_device_draw_is_the_draw_multinomial_makes():
-    # sample_tokens on a GPU draws argmax(p / q), q ~ Exp(1), from the row's generator: checked here on the
-    # CPU against torch.multinomial with generators in the same state
-    probs = torch.rand(4, 300, generator=torch.Generator().manual_seed(0)).pow(4).softmax(dim=-1)
-    for seed in range(20):
-        ref = [int(torch.multinomial(probs[i], 1, generator=torch.Generator().manual_seed(seed * 10 + i)))
-               for i in range(4)]
-        q = torch.empty_like(probs)
-        for i in range(4):
-            q[i].exponential_(1.0, generator=torch.Generator().manual_seed(seed * 10 + i))
-        assert (probs / q).argmax(dim=-1).tolist() == ref
+def test_exponential_draw_is_the_draw_multinomial_makes():
+    # sample_tokens draws this way on a GPU; here on the CPU, against torch.multinomial with generators in the
+    # same state: peaked and flat rows, masked tokens (probability 0) and a row drawn alone or in a batch
+    scale = torch.tensor([[4.0], [1.0], [0.3], [8.0]])
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * scale
+    logits[:, ::3] = float("-inf")  # a grammar's mask
+    probs = logits.softmax(dim=-1)
+    gens = lambda seed, rows: [torch.Generator().manual_seed(seed * 10 + i) for i in rows]  # noqa: E731
+    for seed in range(25):
+        ref = [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in zip(range(4), gens(seed, range(4)))]
+        drawn = exponential_draw(probs, gens(seed, range(4))).tolist()
+        assert drawn == ref and all(t % 3 for t in drawn)
+        assert exponential_draw(probs[2:3], gens(seed, [2])).tolist() == ref[2:3]  # alone, the same draw
+    bad = probs.clone()
+    bad[1] = 0.0
+    bad[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[1, 3\]: probabilities are not a distribution"):
+        exponential_draw(bad, gens(0, range(4)))
 
 
 def test_bad_arguments_raise_clearly(policy, tmp_path):

@@ -108,12 +108,17 @@ def test_child_env_drops_secrets_and_proxies():
     assert Path(env["PYTHONPATH"], "trace_lib", "synth", "sandbox.py").is_file()
 
 
-def test_child_env_keeps_the_parents_import_path_after_trace():
-    # packages installed onto a path (pip install --target, as on a GPU node) must load in the worker too
-    env = child_env({"PYTHONPATH": "/opt/site:/opt/more", "HF_TOKEN": "x"})
-    root, *rest = env["PYTHONPATH"].split(":")
+def test_child_env_keeps_the_parents_import_path_after_trace(tmp_path):
+    # packages installed onto a path (pip install --target, as on a GPU node) must load in the worker too;
+    # relative entries (they would resolve in the worker's scratch), missing folders and the scratch do not
+    site, more, scratch = tmp_path / "site", tmp_path / "more", tmp_path / "scratch"
+    for folder in (site, more, scratch / "x"):
+        folder.mkdir(parents=True)
+    given = os.pathsep.join([str(site), "", ".", "rel", "/no/such/dir", str(more), str(scratch / "x")])
+    env = child_env({"PYTHONPATH": given, "HF_TOKEN": "x"}, scratch=str(scratch))
+    root, *rest = env["PYTHONPATH"].split(os.pathsep)
     assert Path(root, "trace_lib", "synth", "sandbox.py").is_file()
-    assert rest == ["/opt/site", "/opt/more"] and "HF_TOKEN" not in env
+    assert rest == [str(site), str(more)] and "HF_TOKEN" not in env
 
 
 def test_nproc_limit_only_where_the_kernel_enforces_it():

@@ -161,8 +161,9 @@ class ToolCallLogitsProcessor(LogitsProcessor):
             self.rejected = [False] * scores.shape[0]
             self._bitmask = xgr.allocate_token_bitmask(scores.shape[0], self.vocab_size)
         else:
+            new_tokens = input_ids[:, self._seen:].tolist()  # one transfer per step off an accelerator
             for j, m in enumerate(self.matchers):
-                for tok in input_ids[j, self._seen:].tolist():
+                for tok in new_tokens[j]:
                     if not m.is_terminated() and not m.accept_token(tok):
                         self.rejected[j] = True  # only reachable if a caller ignored the mask
         self._seen = input_ids.shape[1]

@@ -222,8 +222,12 @@ def child_env(parent: dict[str, str] | None = None, scratch: str | None = None) 
     env.setdefault("PATH", "/usr/bin:/bin")
     package_root = str(Path(__file__).resolve().parents[2])
     # site-packages come from the interpreter (the venv) itself; the parent's own PYTHONPATH entries follow
-    # trace's root, so packages installed onto a path (`pip install --target`, cluster modules) load too
-    extra = [p for p in parent.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
+    # trace's root, so packages installed onto a path (`pip install --target`, cluster modules) load too.
+    # Only existing absolute folders outside the scratch: a relative entry ('', '.') would resolve in the
+    # worker's cwd, the scratch the module may write to, and shadow the standard library
+    extra = [p for p in parent.get("PYTHONPATH", "").split(os.pathsep)
+             if os.path.isabs(p) and os.path.isdir(p) and p != package_root
+             and not (scratch and Path(p).resolve().is_relative_to(Path(scratch).resolve()))]
     env.update({
         "PYTHONPATH": os.pathsep.join([package_root, *extra]),
         "PYTHONHASHSEED": "0",  # set/dict order of strings repeats across processes
