@@ -17,35 +17,29 @@ import time
 from pathlib import Path
 
 import torch
-
-CALLS: list[tuple[float, int]] = []
-T0 = time.monotonic()
-_set_num_threads = torch.set_num_threads
-
-
-def _logged(n: int) -> None:
-    CALLS.append((round(time.monotonic() - T0, 2), n))
-    _set_num_threads(n)
+from thread_governor import ThreadLog  # this folder: the script's own path entry
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=0, help="0: governed (the pipeline's setting)")
     args = ap.parse_args()
-    torch.set_num_threads = _logged
+    log = ThreadLog(torch.get_num_threads())
+    torch.set_num_threads = log  # the governor calls it through the torch module
     from trace_lib.config import load_params
     from trace_lib.stages.evaluate import run_evaluate
 
     root = Path(".")
     params = load_params(root / "params.yaml")
     params.rollout.threads = args.threads
-    t = time.monotonic()
+    start = time.perf_counter()
     run_evaluate(params, root, progress=False)
-    seconds = time.monotonic() - t
+    end = time.perf_counter()
     files = sorted((root / "data" / "evaluate").rglob("*.jsonl"))
     digest = hashlib.md5(b"".join(p.read_bytes() for p in files)).hexdigest()[:8]
-    print(json.dumps({"threads": args.threads or "governed", "seconds": round(seconds, 1), "md5": digest,
-                      "set_num_threads_calls": CALLS}))
+    print(json.dumps({"threads": args.threads or "governed", "seconds": round(end - start, 1), "md5": digest,
+                      "set_num_threads_calls": [(round(t - start, 2), n) for t, n in log.calls],
+                      "seconds_below_full": round(log.seconds_below_full(start, end), 1)}))
 
 
 if __name__ == "__main__":

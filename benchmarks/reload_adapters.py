@@ -39,18 +39,29 @@ def _logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return on, off
 
 
+def compare_saved_lora(saved: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+                       ) -> tuple[int, list[str], list[str]]:
+    """Each tensor of an adapter file against the loaded PeftModel's parameter it became:
+    (how many are equal, keys whose values differ, keys no parameter took)."""
+    equal, different, missing = 0, [], []
+    for key, tensor in saved.items():
+        # saved: base_model.model.X.lora_A.weight -> loaded: base_model.model.X.lora_A.default.weight
+        name = re.sub(r"\.(lora_[AB]|lora_embedding_[AB])\.", r".\1.default.", key)
+        if name not in params:
+            missing.append(key)
+        elif torch.equal(params[name].detach().cpu().to(tensor.dtype), tensor):
+            equal += 1
+        else:
+            different.append(key)
+    return equal, different, missing
+
+
 def check(model_dir: Path, adapter: Path, ids: torch.Tensor, dtype: torch.dtype) -> dict:
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(adapter)).eval()
     params = dict(model.named_parameters())
-    equal, missing = 0, []
-    for key, tensor in saved.items():
-        name = re.sub(r"\.(lora_[AB])\.", r".\1.default.", key)
-        if name not in params:
-            missing.append(key)
-        elif torch.equal(params[name].detach().to(tensor.dtype), tensor):
-            equal += 1
+    equal, _, missing = compare_saved_lora(saved, params)
     lora_weights = sum(1 for name in params if ".lora_A." in name or ".lora_B." in name)
     cpu_on, cpu_off = _logits(model, ids)
     res = {"saved_tensors": len(saved), "loaded_equal": equal, "not_found": missing[:5],

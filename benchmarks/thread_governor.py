@@ -27,7 +27,7 @@ from trace_lib.envs import make_env, make_tasks
 from trace_lib.io import dumps_json
 
 
-class _ThreadLog:
+class ThreadLog:
     """Wraps torch.set_num_threads: when each count was set, to add up the time spent below `full`."""
 
     def __init__(self, full: int) -> None:
@@ -49,7 +49,7 @@ class _ThreadLog:
         return below + (end - since if since is not None else 0.0)
 
 
-def _row(name: str, params, policy, tasks, log: _ThreadLog) -> dict:
+def _row(name: str, params, policy, tasks, log: ThreadLog) -> dict:
     gov = threads.governor()
     if name == "governed":  # undo an earlier row's fix(): the full count, and no sample from before this row
         gov.fixed, gov.max_threads = False, log.full
@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     params = load_params(args.params)
     full = torch.get_num_threads()
-    log = _ThreadLog(full)
+    log = ThreadLog(full)
     torch.set_num_threads = log  # the governor calls it through the torch module
     policy = open_policy(params, Path(params.model.out_dir))  # as the rollout stage opens it
     tasks = make_tasks(params.env, params.rollout.split)[: args.tasks]

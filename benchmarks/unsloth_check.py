@@ -308,18 +308,9 @@ def reload(args, mode: str = "unsloth") -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     base = AutoModelForCausalLM.from_pretrained(str(work / "model"), dtype=torch.bfloat16).to(dev)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    params = dict(model.named_parameters())
-    matched, mismatched, missing = 0, [], []
-    for key, tensor in saved.items():
-        # saved: base_model.model.X.lora_A.weight -> loaded: base_model.model.X.lora_A.default.weight
-        name = re.sub(r"\.(lora_[AB]|lora_embedding_[AB])\.", r".\1.default.", key)
-        if name not in params:
-            missing.append(key)
-            continue
-        if torch.equal(params[name].detach().cpu().to(tensor.dtype), tensor):
-            matched += 1
-        else:
-            mismatched.append(key)
+    from reload_adapters import compare_saved_lora  # this folder: the script's own path entry
+
+    matched, mismatched, missing = compare_saved_lora(saved, dict(model.named_parameters()))
     b_norm = sum(float(t.float().norm()) for k, t in saved.items() if "lora_B" in k)
     ref = torch.load(work / f"logits_{mode}.pt")
     ids = ref["input_ids"].to(dev)
