@@ -22,15 +22,23 @@ import time
 from pathlib import Path
 
 from trace_lib.agent.policy import load_policy
-from trace_lib.config import load_params
+from trace_lib.config import Params, load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
-from trace_lib.records import AdapterManifest
+from trace_lib.records import AdapterManifest, SyntheticEnvManifest
 from trace_lib.stages.train import _sandbox_limits, _synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.trainer import SNAPSHOTS, read_timing, read_train_log, train_adapter_mixture
+
+
+def run_env(root: Path, capability: str) -> tuple[Params, SyntheticEnvManifest]:
+    """A finished run's params and the manifest of its validated environment for `capability`."""
+    manifest = next((m for m in valid_envs(root) if m.capability_id == capability), None)
+    if manifest is None:
+        raise SystemExit(f"no validated environment {capability!r} under {root / 'data/envs'}")
+    return load_params(root / "params.yaml"), manifest
 
 
 def main() -> None:
@@ -51,10 +59,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(args.root)
-    params = load_params(root / "params.yaml")
-    manifest = next((m for m in valid_envs(root) if m.capability_id == args.capability), None)
-    if manifest is None:
-        raise SystemExit(f"no validated environment {args.capability!r} under {root / 'data/envs'}")
+    params, manifest = run_env(root, args.capability)
     out = Path(args.out or tempfile.mkdtemp(prefix="hint_swap-"))
     seed = params.seed if args.seed is None else args.seed
     result: dict = {"capability": args.capability, "iterations": args.iterations, "seed": seed, "arms": {}}
@@ -93,7 +98,7 @@ def main() -> None:
                 "train_seconds": round(time.perf_counter() - t0, 1),
                 "curve": [{k: row.get(k) for k in ("iteration", "success_rate", "hinted", "success_rate_unhinted",
                                                     "success_rate_hinted", "env_score", "rubric",
-                                                    "frac_reward_zero_std", "trained_tokens", "preplayed_calls")}
+                                                    "frac_reward_zero_std", "trained_tokens", "preplayed_steps")}
                           for row in read_train_log(out / name)],
                 "seconds_per_iteration": read_timing(out / f"{name}.timing.json").get("seconds_per_iteration"),
             }

@@ -18,6 +18,7 @@ from toy import KVEnv, PickEnv, kv_task, pick_tasks
 
 from trace_lib.agent.policy import Policy
 from trace_lib.config import TrainConfig
+from trace_lib.envs.base import UserTurn
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import (
     TRUNCATION_MARK,
@@ -25,7 +26,7 @@ from trace_lib.training.grpo import (
     Episode,
     TrainSource,
     drop_masked_rows,
-    leading_calls,
+    leading_steps,
     loss_mask,
     preplay_count,
     preplayed_opening,
@@ -244,20 +245,49 @@ def test_preplay_count_steps_down_from_every_leading_call_to_none():
     assert [preplay_count(i, 100, 0.07, 1) for i in (6, 7)] == [1, 0]  # 0.07 * 100 != 7 in floating point
 
 
-def test_leading_calls_stop_at_the_first_thing_said_or_malformed_step():
-    steps = [{"tool": "get_value", "arguments": {"key": "k1"}}, {"name": "set_value", "arguments": {"key": "k1"}},
-             {"say": "done"}, {"tool": "get_value", "arguments": {}}]
-    assert [(c.name, c.arguments) for c in leading_calls(steps)] == [("get_value", {"key": "k1"}),
-                                                                       ("set_value", {"key": "k1"})]
-    assert leading_calls([{"tool": "x", "arguments": "not a dict"}, {"tool": "y"}]) == []
-    assert leading_calls(["junk"]) == [] and leading_calls([]) == []
+def test_leading_steps_stop_at_a_write_or_malformed_step_and_leave_the_answer_to_the_agent():
+    steps = [{"say": "Which key?"}, {"tool": "get_value", "arguments": {"key": "k1"}},
+             {"name": "set_value", "arguments": {"key": "k1"}}, {"say": "done"}, {"tool": "get_value", "arguments": {}},
+             {"say": "The value is 5."}]
+    played = leading_steps(steps)
+    assert played[0] == "Which key?" and played[3] == "done" and len(played) == 5  # the final answer is left out
+    assert [(c.name, c.arguments) for c in played[1:3]] == [("get_value", {"key": "k1"}), ("set_value", {"key": "k1"})]
     kinds = {t.name: t.kind for t in KVEnv().tools}
-    assert [c.name for c in leading_calls(steps, kinds)] == ["get_value"]  # up to the first write
+    assert [getattr(c, "name", c) for c in leading_steps(steps, kinds)] == ["Which key?", "get_value"]  # to the write
+    assert leading_steps([{"tool": "x", "arguments": "not a dict"}, {"tool": "y"}]) == []
+    assert leading_steps(["junk"]) == [] and leading_steps([]) == []
+    assert leading_steps([{"say": "Hi."}, {"say": "  "}, {"tool": "get_value"}]) == ["Hi."]  # a blank say is malformed
+    confirm = [{"tool": "get_value", "arguments": {"key": "k1"}}, {"say": "Set k1 to 5. Shall I proceed?"},
+               {"tool": "set_value", "arguments": {"key": "k1", "value": 5}}, {"say": "Done."}]
+    assert leading_steps(confirm, kinds)[1] == "Set k1 to 5. Shall I proceed?"  # asked before the write: played
+    declined = [*confirm[:2], {"say": "Understood, nothing changed."}]
+    assert leading_steps(declined, kinds)[1:] == ["Set k1 to 5. Shall I proceed?"]  # only the last message is left
+    assert [c.name for c in leading_steps(reference_steps(kv_task(1)))] == ["get_value"]  # a target reference
+
+
+class ChattyKVEnv(KVEnv):
+    """KVEnv whose user answers a question with the key instead of hanging up."""
+
+    def _user_reply(self, agent_text):
+        return UserTurn("It is k1.", stop=False) if agent_text.endswith("?") else super()._user_reply(agent_text)
+
+
+def test_preplayed_opening_plays_what_the_reference_says_with_the_users_reply():
+    env = ChattyKVEnv(max_steps=4)
+    steps = leading_steps([{"say": "Which key?"}, {"tool": "get_value", "arguments": {"key": "k1"}},
+                           {"say": "The value is 10."}])
+    opening = preplayed_opening(env, kv_task(1), steps)
+    assert [m.role for m in opening] == ["system", "user", "assistant", "user", "assistant", "tool"]
+    assert opening[2].content == "Which key?" and opening[3].content == "It is k1."
+    assert opening[4].tool_calls[0].id == "call_1_0" and env.state.steps == 2 and env.state.tool_calls == 1
+    hangs_up = KVEnv(max_steps=4)  # its user stops after any message: the say would end the episode, so not played
+    assert [m.role for m in preplayed_opening(hangs_up, kv_task(1), steps)] == ["system", "user"]
+    assert not hangs_up.done and hangs_up.state.steps == 0
 
 
 def test_preplayed_opening_plays_the_calls_and_stops_before_a_failing_one():
     env = KVEnv(max_steps=3)
-    calls = leading_calls(reference_steps(kv_task(1)))
+    calls = leading_steps(reference_steps(kv_task(1)))
     opening = preplayed_opening(env, kv_task(1), calls)
     assert [m.role for m in opening] == ["system", "user", "assistant", "tool"]
     assert opening[2].tool_calls[0].name == "get_value" and opening[2].tool_calls[0].id == "call_0_0"
@@ -287,11 +317,11 @@ def test_start_late_episodes_begin_after_the_reference_lookups_then_whole_episod
     assert [tok.decode(c) for c in late["completion_ids"]] == ["The value is 10.<|im_end|>",
                                                                "The value is 11.<|im_end|>"]
     assert late["reward"] == [1.0, 0.0] and late["tool_calls"] == [1, 1]
-    assert ro.stats[0]["preplayed_calls"] == 1.0 and [ep.preplayed for ep in ro.last] == [1, 1]
+    assert ro.stats[0]["preplayed_steps"] == 1.0 and [ep.preplayed for ep in ro.last] == [1, 1]
     whole = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=1)))  # past the first half
     assert tok.decode(whole["prompt_ids"][0]).endswith("What is the value of k1?<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(whole["completion_ids"][0]).startswith("<tool_call>")
-    assert ro.stats[1]["preplayed_calls"] == 0.0
+    assert ro.stats[1]["preplayed_steps"] == 0.0
 
 
 def test_start_late_off_never_asks_for_the_reference(scripted):
@@ -302,7 +332,7 @@ def test_start_late_off_never_asks_for_the_reference(scripted):
     ro = AgentRollout(scripted, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, reference=reference)], cfg,
                       make_reward(cfg.reward), lambda n: None, seed=0)
     ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
-    assert ro.stats[0]["preplayed_calls"] == 0.0
+    assert ro.stats[0]["preplayed_steps"] == 0.0
 
 
 def test_start_late_with_the_hint_swap_trains_the_late_prompt_without_the_guidance(scripted):
@@ -330,7 +360,7 @@ def test_start_late_without_a_reference_plays_whole_episodes(scripted):
                       make_reward(cfg.reward), lambda n: None, seed=0)
     out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
     assert scripted.tokenizer.decode(out["completion_ids"][0]).startswith("<tool_call>")
-    assert ro.stats[0]["preplayed_calls"] == 0.0
+    assert ro.stats[0]["preplayed_steps"] == 0.0
 
 
 def test_efficiency_reward_in_rollouts(scripted):

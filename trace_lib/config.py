@@ -333,10 +333,11 @@ class TrainConfig(Section):
     (training/hints.py); the authors use 25–50%. 0: off."""
     start_late: float = Field(0.0, ge=0, le=1)
     """Reverse curriculum: during the first `start_late` share of the iterations, episodes start after the
-    read-tool calls that lead the task's reference solution, which the environment plays (their calls and
-    results are part of the prompt, not trained): all of them at the first iteration, fewer as training
-    goes on, then none (training/grpo.py: `preplay_count`). A start near the goal gives a weak policy
-    rewards to learn from, and each such rollout is a short one. 0: off."""
+    leading steps of the task's reference solution, which the environment plays: its read-tool calls and what
+    it says to the user (who replies), up to its first write, never the answer it ends with. They are part of
+    the prompt, not trained: all of them at the first iteration, fewer as training goes on, then none
+    (training/grpo.py: `leading_steps`, `preplay_count`). A start near the goal gives a weak policy rewards
+    to learn from, and each such rollout is a short one. 0: off."""
     constrained: bool = True
     tool_choice: Literal["auto", "first", "required"] = "first"
     reward: RewardConfig = Field(default_factory=RewardConfig)

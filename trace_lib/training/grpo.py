@@ -40,13 +40,15 @@ turns, so the gradient is taken as if the policy had acted that way unguided. A 
 `hint` function, or a task whose hint is None, plays every sample unguided.
 
 Reverse curriculum (`train.start_late`, a share R of the N = `train.iterations`): at iteration i < L =
-ceil(R·N) an episode starts after the first ceil(n·(L-i)/L) of the n read-tool calls that lead the task's
-reference solution (`TrainSource.reference`; up to its first message or write); the environment plays them
-with their full results, and they are part of `prompt_ids`, so they are neither sampled nor trained. From
-iteration L on, episodes are whole (if a rollout budget stops training early, possibly never). A source
-without a reference, or a task whose reference starts otherwise, plays from the start. Played calls count
-as the episode's tool calls (the efficiency reward's count) and turns (`max_steps`); `tool_choice: first`
-then no longer forces the agent's first own turn, which usually has to answer.
+ceil(R·N) an episode starts after the first ceil(n·(L-i)/L) of the n leading steps of the task's reference
+solution (`TrainSource.reference`, `leading_steps`): its read-tool calls and what it says to the user, up to
+its first write (a confirmation asked before it included), the answer it ends with left to the agent. The environment plays them (tool results in
+full; the user replies to what is said), and they are part of `prompt_ids`, so they are neither sampled nor
+trained. From iteration L on, episodes are whole (if a rollout budget stops training early, possibly
+never). A source without a reference, or a task whose reference starts otherwise, plays from the start.
+Played steps count as the episode's turns (`max_steps`) and played calls as its tool calls (the efficiency
+reward's count); `tool_choice: first` then no longer forces the agent's first own turn, which usually has
+to answer.
 
 Samples (paper: "samples whose only action is a read-only lookup are filtered out"): a sample is
 one agent turn, i.e. one span of mask-1 tokens. With `filter_lookup_only` a turn whose action is
@@ -117,7 +119,7 @@ class Episode:
     """The opening the episode is played from when it differs from the trained `prompt_ids` (the
     hint swap: the opening with expert guidance; the guidance is not in the trained sequence)."""
     preplayed: int = 0
-    """Reference tool calls the environment played before the agent's first turn (`train.start_late`)."""
+    """Reference steps (agent turns) the environment played before the agent's first turn (`train.start_late`)."""
     env_reward: float = 0.0
     rubric: dict[str, Any] | None = None
     """The environment's multi-level verdict ({"steps", "gates"}), when it gives one."""
@@ -161,7 +163,7 @@ def _lookup_only(msg: Message, kinds: dict[str, str]) -> bool:
 
 
 def preplay_count(iteration: int, iterations: int, start_late: float, n_calls: int) -> int:
-    """How many of a reference's `n_calls` leading tool calls the environment plays before the agent's
+    """How many of a reference's `n_calls` leading steps the environment plays before the agent's
     first turn at `iteration` (0-based) of `iterations` (`train.iterations`, the reverse curriculum of
     `train.start_late`)."""
     phase = math.ceil(round(start_late * iterations, 9))  # 0.07 * 100 is 7.000000000000001
@@ -170,19 +172,30 @@ def preplay_count(iteration: int, iterations: int, start_late: float, n_calls: i
     return math.ceil(n_calls * (phase - iteration) / phase)
 
 
-def leading_calls(steps: Sequence[Any], kinds: dict[str, str] | None = None) -> list[ToolCall]:
-    """The tool calls a reference solution makes before it first says anything (malformed steps end it);
-    with the environment's tool `kinds`, only those before its first call that is not a read."""
-    calls: list[ToolCall] = []
+PlayedStep = ToolCall | str
+"""A reference step the environment plays for the agent: a read-tool call, or a message to the user."""
+
+
+def leading_steps(steps: Sequence[Any], kinds: dict[str, str] | None = None) -> list[PlayedStep]:
+    """The steps of a reference solution that may be played for the agent (`train.start_late`): its tool
+    calls ({"tool"|"name", "arguments"}) and messages ({"say": text}) up to its first malformed step or, with
+    the environment's tool `kinds`, its first call that is not a read (a question asked before that write,
+    such as a confirmation, is played and the user answers it). A reference played to its end leaves its
+    last message (the answer) out, so the agent always has its own part to play."""
+    played: list[PlayedStep] = []
     for step in steps:
-        name = step.get("tool", step.get("name")) if isinstance(step, dict) else None
-        args = step.get("arguments", {}) if isinstance(step, dict) else None
+        text = step.get("say") if isinstance(step, dict) else None
+        if isinstance(text, str) and text.strip():
+            played.append(text)
+            continue
+        name, args = (step.get("tool", step.get("name")), step.get("arguments", {})) if isinstance(step, dict) \
+            else (None, None)
         if not isinstance(name, str) or not name or not isinstance(args, dict):
-            break
+            return played
         if kinds is not None and kinds.get(name) != "read":
-            break
-        calls.append(ToolCall(name=name, arguments=args))
-    return calls
+            return played
+        played.append(ToolCall(name=name, arguments=args))
+    return played[:-1] if played and isinstance(played[-1], str) else played
 
 
 def _replay(env: Environment, task: Task, actions: Sequence[Message]) -> bool:
@@ -195,21 +208,24 @@ def _replay(env: Environment, task: Task, actions: Sequence[Message]) -> bool:
     return True
 
 
-def preplayed_opening(env: Environment, task: Task, calls: Sequence[ToolCall]) -> list[Message]:
-    """The opening of `task` followed by `calls` played one per assistant turn, each with its results:
-    the environment's conversation after them, which it is left in.
+def preplayed_opening(env: Environment, task: Task, steps: Sequence[PlayedStep]) -> list[Message]:
+    """The opening of `task` followed by `steps` played one per assistant turn (a call with its result, a
+    message with the user's reply): the environment's conversation after them, which it is left in.
 
-    Only read tools are played, and nothing from the first call that is not one, that the environment
-    refuses or that would end the episode: a write played for the agent would be unconfirmed (retail
-    scores that 0), and a failed call would teach from a broken start. The calls played count as the
-    episode's tool calls and turns (`max_steps`)."""
+    Only read tools are played, and nothing from the first call that is not one, or from the first step
+    that the environment refuses or that would end the episode: a write played for the agent would be
+    unconfirmed (retail scores that 0), and a failed step would teach from a broken start. The steps
+    played count as the episode's turns (`max_steps`), their calls as its tool calls."""
     kinds = env.tool_kinds()
     env.reset(task)
     actions: list[Message] = []
-    for turn, call in enumerate(calls):
-        if kinds.get(call.name) != "read":
+    for turn, step in enumerate(steps):
+        if isinstance(step, str):
+            msg = Message(role="assistant", content=step)
+        elif kinds.get(step.name) != "read":
             break
-        msg = Message(role="assistant", tool_calls=[call.model_copy(update={"id": f"call_{turn}_0"})])
+        else:
+            msg = Message(role="assistant", tool_calls=[step.model_copy(update={"id": f"call_{turn}_0"})])
         result = env.step(msg)
         if result.done or any(o.error for o in result.observations):
             if not _replay(env, task, actions):  # not deterministic after all: start from the opening
@@ -221,15 +237,15 @@ def preplayed_opening(env: Environment, task: Task, calls: Sequence[ToolCall]) -
 
 
 def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
-                  hint: str | None = None, preplay: Sequence[ToolCall] = ()) -> Episode:
+                  hint: str | None = None, preplay: Sequence[PlayedStep] = ()) -> Episode:
     """A new episode of `task`; with `hint`, played from the opening with that guidance while the
-    trained sequence starts from the opening without it; with `preplay`, started after those tool calls
-    (`preplayed_opening`)."""
+    trained sequence starts from the opening without it; with `preplay`, started after those reference
+    steps (`preplayed_opening`)."""
     opening = preplayed_opening(env, task, preplay) if preplay else env.reset(task)
     tools = env.tool_schemas()
     prompt = policy.encode(render_prompt(policy.tokenizer, opening, tools))
     guided = None if hint is None else policy.encode(render_prompt(policy.tokenizer, with_hint(opening, hint), tools))
-    preplayed = sum(len(m.tool_calls) for m in opening if m.role == "assistant")
+    preplayed = sum(1 for m in opening if m.role == "assistant")
     return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided, preplayed=preplayed)
 
 
@@ -408,7 +424,7 @@ class AgentRollout:
             tasks.update({(source, s): t for s, t in zip(seeds, made, strict=True)})
         guided = set(hinted_samples(self.cfg.group_size, self.cfg.hint_fraction))
         hints: dict[tuple[str, int], str | None] = {}
-        preplay: dict[tuple[str, int], list[ToolCall]] = {}
+        preplay: dict[tuple[str, int], list[PlayedStep]] = {}
         episodes, sample = [], 0
         for i, key in enumerate(keys):
             sample = sample + 1 if i and keys[i - 1] == key else 0
@@ -418,9 +434,9 @@ class AgentRollout:
             env = source.make_env()
             if key not in preplay:
                 late = lambda n: preplay_count(iteration, self.cfg.iterations, self.cfg.start_late, n)  # noqa: E731
-                calls = (leading_calls(source.reference(tasks[key]), env.tool_kinds())
+                steps = (leading_steps(source.reference(tasks[key]), env.tool_kinds())
                          if source.reference and late(1) else [])
-                preplay[key] = calls[:late(len(calls))]
+                preplay[key] = steps[:late(len(steps))]
             env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
             episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
                                           hint=hints.get(key) if sample in guided else None, preplay=preplay[key]))
@@ -468,7 +484,7 @@ def iteration_stats(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "env_score": sum(d["env_reward"] for d in done) / n,
         "rubric": item_means([d["rubric"] for d in done]) or None,
         "tool_calls": sum(d["tool_calls"] for d in done) / n,
-        "preplayed_calls": sum(d.get("preplayed", 0) for d in done) / n,
+        "preplayed_steps": sum(d.get("preplayed", 0) for d in done) / n,
         "completion_tokens": sum(d["agent_tokens"] for d in done),
         "completion_length": sum(d["agent_tokens"] for d in done) / n,
         "trained_tokens": sum(d["trained_tokens"] for d in done),

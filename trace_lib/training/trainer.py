@@ -87,7 +87,7 @@ SNAPSHOTS = "snapshots"
 """Sub-folder of an adapter with the adapter of each earlier checkpoint (`train.snapshots`)."""
 LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "tool_calls", "tool_calls_correct",
             "l_t", "completion_tokens", "completion_length", "trained_tokens", "hinted", "success_rate_unhinted",
-            "success_rate_hinted", "env_score", "rubric", "preplayed_calls")
+            "success_rate_hinted", "env_score", "rubric", "preplayed_steps")
 """Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
 TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
             "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}

@@ -1,0 +1,78 @@
+"""What does the base model do from the latest start of the reverse curriculum? Every leading step of
+each task's reference solution played for it (`train.start_late` at its first iteration: the reference's
+read calls and messages up to its first write, the user's replies included), then the agent's own turns,
+sampled as in training. Prints each episode's turns after the played ones and a JSON summary: how the
+episodes ended, how many repeated a call they had already made, how many said anything, the rubric.
+
+Reads the outputs of `dvc repro` under --root (data/model, data/envs) and its params.yaml.
+
+    .venv/bin/python benchmarks/late_start_probe.py --root <a finished repro> \
+        --capability identity_verification --tasks 8 --temperature 0.8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from trace_lib.agent.policy import load_policy
+from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.stages.train import _sandbox_limits, _solution
+from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.training.grpo import leading_steps, play, start_episode
+
+from hint_swap import run_env  # this folder: the script's own path entry
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default=".")
+    ap.add_argument("--capability", required=True)
+    ap.add_argument("--tasks", type=int, default=8, help="training seeds from train.seed_offset up")
+    ap.add_argument("--temperature", type=float, default=None, help="default: train.temperature; 0: greedy")
+    ap.add_argument("--adapter", default=None, help="an adapter folder to sample with (default: the base model)")
+    args = ap.parse_args()
+    root = Path(args.root)
+    params, manifest = run_env(root, args.capability)
+    adapters = {"probe": args.adapter} if args.adapter else None
+    policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype, adapters=adapters)
+    if args.adapter:
+        policy.set_adapter("probe")
+    temperature = params.train.temperature if args.temperature is None else args.temperature
+    cfg = params.train.model_copy(update={"temperature": temperature})  # 0: greedy
+    seeds = list(range(params.train.seed_offset, params.train.seed_offset + args.tasks))
+    with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
+        tasks = synthetic_tasks(box, args.capability, seeds, params.synthesize.difficulty, "train")
+        episodes = []
+        for task in tasks:
+            env = SyntheticEnv(box, params.env, max_steps=cfg.max_steps_per_episode)
+            steps = leading_steps(_solution(box, task), env.tool_kinds())
+            episodes.append(start_episode(policy, args.capability, task.seed, task, 0, env, preplay=steps))
+        play(policy, episodes, cfg, seed=params.seed)
+        summary: Counter[str] = Counter()
+        rubric: dict[str, list[float]] = {}
+        for ep in episodes:
+            value, info = ep.env.reward()
+            turns = [m for m in ep.context if m.role == "assistant"]
+            own = turns[ep.preplayed:]
+            calls = [json.dumps([c.name, c.arguments], sort_keys=True) for m in turns for c in m.tool_calls]
+            first_own = sum(len(m.tool_calls) for m in turns[:ep.preplayed])
+            summary["episodes"] += 1
+            summary[f"ended_{info.get('termination')}"] += 1
+            summary["succeeded"] += int(value >= 1.0)
+            summary["said_something"] += int(any((m.content or "").strip() for m in own))
+            summary["repeated_a_call"] += int(any(c in calls[:i] for i, c in enumerate(calls) if i >= first_own))
+            for name, score in (info.get("rubric") or {}).get("steps", {}).items():
+                rubric.setdefault(name, []).append(float(score))
+            print(f"--- seed {ep.seed}: {ep.preplayed} steps played, reward {value:.2f} ({info.get('termination')})")
+            for m in own:
+                print("   ", (m.content or "").strip()[:160] or "", *[f"{c.name}({json.dumps(c.arguments)})"
+                                                                     for c in m.tool_calls])
+    print(json.dumps({"capability": args.capability, "temperature": cfg.temperature, **dict(sorted(summary.items())),
+                      "rubric_steps": {k: round(sum(v) / len(v), 3) for k, v in sorted(rubric.items())}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
