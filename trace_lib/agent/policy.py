@@ -84,9 +84,7 @@ class GenerationStats:
 def _row_generators(seed: int, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
     """One generator per row, seeded by the row's index: a row's draws never depend on the other rows.
     CPU generators on the CPU; on an accelerator, generators of that device (`sample_tokens`)."""
-    device = torch.device(device)
-    kind = "cpu" if device.type == "cpu" else device
-    return [torch.Generator(device=kind).manual_seed(row_seed(seed, i)) for i in range(n)]
+    return [torch.Generator(device=torch.device(device)).manual_seed(row_seed(seed, i)) for i in range(n)]
 
 
 def exponential_draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
