@@ -2,7 +2,8 @@
 each task's reference solution played for it (`train.start_late` at its first iteration: the reference's
 read calls and messages up to its first write, the user's replies included), then the agent's own turns,
 sampled as in training. Prints each episode's turns after the played ones and a JSON summary: how the
-episodes ended, how many repeated a call they had already made, how many said anything, the rubric.
+episodes ended, how many made a call identical to an earlier one of the episode (played or their own), how
+many said anything to the user (a valid message, not a malformed turn), the rubric.
 
 Reads the outputs of `dvc repro` under --root (data/model, data/envs) and its params.yaml.
 
@@ -18,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 from trace_lib.agent.policy import load_policy
+from trace_lib.envs.said import is_said_to_user
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.stages.train import _sandbox_limits, _solution
 from trace_lib.synth.sandbox import SandboxProcess
@@ -41,7 +43,8 @@ def main() -> None:
     if args.adapter:
         policy.set_adapter("probe")
     temperature = params.train.temperature if args.temperature is None else args.temperature
-    cfg = params.train.model_copy(update={"temperature": temperature})  # 0: greedy
+    # model_copy does not validate, so 0 passes TrainConfig's temperature > 0; the sampler is greedy at 0
+    cfg = params.train.model_copy(update={"temperature": temperature})
     seeds = list(range(params.train.seed_offset, params.train.seed_offset + args.tasks))
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
         tasks = synthetic_tasks(box, args.capability, seeds, params.synthesize.difficulty, "train")
@@ -62,7 +65,7 @@ def main() -> None:
             summary["episodes"] += 1
             summary[f"ended_{info.get('termination')}"] += 1
             summary["succeeded"] += int(value >= 1.0)
-            summary["said_something"] += int(any((m.content or "").strip() for m in own))
+            summary["said_something"] += int(any(is_said_to_user(m) for m in own))  # not an invalid turn's text
             summary["repeated_a_call"] += int(any(c in calls[:i] for i, c in enumerate(calls) if i >= first_own))
             for name, score in (info.get("rubric") or {}).get("steps", {}).items():
                 rubric.setdefault(name, []).append(float(score))

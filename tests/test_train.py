@@ -19,6 +19,7 @@ from toy import KVEnv, PickEnv, kv_task, pick_tasks
 from trace_lib.agent.policy import Policy
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import UserTurn
+from trace_lib.records import Message
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import (
     TRUNCATION_MARK,
@@ -236,7 +237,7 @@ def test_hint_swap_without_guidance_plays_unguided(scripted):
     assert ro.stats[0]["hinted"] == 0 and ro.stats[0]["success_rate_hinted"] is None
 
 
-def test_preplay_count_steps_down_from_every_leading_call_to_none():
+def test_preplay_count_steps_down_from_every_leading_step_to_none():
     assert [preplay_count(i, 4, 0.5, 2) for i in range(4)] == [2, 1, 0, 0]
     assert [preplay_count(i, 3, 1.0, 3) for i in range(3)] == [3, 2, 1]
     assert [preplay_count(i, 5, 1.0, 1) for i in range(5)] == [1] * 5
@@ -256,7 +257,12 @@ def test_leading_steps_stop_at_a_write_or_malformed_step_and_leave_the_answer_to
     assert [getattr(c, "name", c) for c in leading_steps(steps, kinds)] == ["Which key?", "get_value"]  # to the write
     assert leading_steps([{"tool": "x", "arguments": "not a dict"}, {"tool": "y"}]) == []
     assert leading_steps(["junk"]) == [] and leading_steps([]) == []
-    assert leading_steps([{"say": "Hi."}, {"say": "  "}, {"tool": "get_value"}]) == ["Hi."]  # a blank say is malformed
+    # a blank say is malformed, and the message before it (the last) is the agent's to say
+    assert leading_steps([{"say": "Hi."}, {"say": "  "}, {"tool": "get_value"}]) == []
+    read = {"tool": "get_value", "arguments": {"key": "k1"}}
+    assert [c.name for c in leading_steps([read, read])] == ["get_value"] * 2  # ends with a call: all of it
+    assert leading_steps([{"say": "Q?"}, {"say": "A."}]) == ["Q?"] and leading_steps([{"say": "A."}]) == []
+    assert leading_steps([{"say": "x", "tool": "get_value", "arguments": {"key": "k1"}}, read])[0].name == "get_value"
     confirm = [{"tool": "get_value", "arguments": {"key": "k1"}}, {"say": "Set k1 to 5. Shall I proceed?"},
                {"tool": "set_value", "arguments": {"key": "k1", "value": 5}}, {"say": "Done."}]
     assert leading_steps(confirm, kinds)[1] == "Set k1 to 5. Shall I proceed?"  # asked before the write: played
@@ -276,32 +282,37 @@ def test_preplayed_opening_plays_what_the_reference_says_with_the_users_reply():
     env = ChattyKVEnv(max_steps=4)
     steps = leading_steps([{"say": "Which key?"}, {"tool": "get_value", "arguments": {"key": "k1"}},
                            {"say": "The value is 10."}])
-    opening = preplayed_opening(env, kv_task(1), steps)
+    opening, played = preplayed_opening(env, kv_task(1), steps)
+    assert played == 2
     assert [m.role for m in opening] == ["system", "user", "assistant", "user", "assistant", "tool"]
     assert opening[2].content == "Which key?" and opening[3].content == "It is k1."
     assert opening[4].tool_calls[0].id == "call_1_0" and env.state.steps == 2 and env.state.tool_calls == 1
     hangs_up = KVEnv(max_steps=4)  # its user stops after any message: the say would end the episode, so not played
-    assert [m.role for m in preplayed_opening(hangs_up, kv_task(1), steps)] == ["system", "user"]
+    assert [m.role for m in preplayed_opening(hangs_up, kv_task(1), steps)[0]] == ["system", "user"]
     assert not hangs_up.done and hangs_up.state.steps == 0
 
 
 def test_preplayed_opening_plays_the_calls_and_stops_before_a_failing_one():
     env = KVEnv(max_steps=3)
     calls = leading_steps(reference_steps(kv_task(1)))
-    opening = preplayed_opening(env, kv_task(1), calls)
+    opening, played = preplayed_opening(env, kv_task(1), calls)
+    assert played == 1
     assert [m.role for m in opening] == ["system", "user", "assistant", "tool"]
     assert opening[2].tool_calls[0].name == "get_value" and opening[2].tool_calls[0].id == "call_0_0"
     assert json.loads(opening[3].content) == {"key": "k1", "value": 10}
     assert env.state.steps == 1 and env.state.messages == opening and not env.done
     bad = [*calls, calls[0].model_copy(update={"arguments": {"key": "k99"}})]  # the tool refuses it
-    opening = preplayed_opening(env, kv_task(1), bad)
+    opening, played = preplayed_opening(env, kv_task(1), bad)
+    assert played == 1
     assert [m.role for m in opening] == ["system", "user", "assistant", "tool"]
     assert env.state.steps == 1 and env.state.tool_errors == 0 and env.state.messages == opening
     write = calls[0].model_copy(update={"name": "set_value", "arguments": {"key": "k1", "value": 5}})
-    opening = preplayed_opening(env, kv_task(1), [write, *calls])  # a write is never played for the agent
+    opening, played = preplayed_opening(env, kv_task(1), [write, *calls])  # a write is never played for the agent
+    assert played == 0
     assert [m.role for m in opening] == ["system", "user"] and env.state.steps == 0 and env.db["k1"] == 10
     short = KVEnv(max_steps=1)  # the call would end the episode: not played
-    assert [m.role for m in preplayed_opening(short, kv_task(1), calls)] == ["system", "user"] and not short.done
+    assert preplayed_opening(short, kv_task(1), calls) == ([m for m in short.state.messages], 0) and not short.done
+    assert [m.role for m in short.state.messages] == ["system", "user"]
 
 
 def test_start_late_episodes_begin_after_the_reference_lookups_then_whole_episodes(scripted):
@@ -322,6 +333,29 @@ def test_start_late_episodes_begin_after_the_reference_lookups_then_whole_episod
     assert tok.decode(whole["prompt_ids"][0]).endswith("What is the value of k1?<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(whole["completion_ids"][0]).startswith("<tool_call>")
     assert ro.stats[1]["preplayed_steps"] == 0.0
+
+
+class GreetingChattyKVEnv(ChattyKVEnv):
+    """Opens with the agent's greeting before the user's request, as τ²-bench does."""
+
+    def reset(self, task):
+        opening = super().reset(task)
+        opening.insert(1, Message(role="assistant", content="Hi! How can I help you today?"))
+        self.state.messages = list(opening)
+        return opening
+
+
+def test_start_late_plays_the_references_question_and_the_users_reply_not_counting_a_greeting(scripted):
+    cfg = TrainConfig(**{**FAST, "groups": 1, "start_late": 1.0, "filter_lookup_only": False})
+    reference = [{"say": "Which key?"}, {"tool": "get_value", "arguments": {"key": "k1"}}, {"say": "It is 10."}]
+    source = TrainSource("kv", lambda: GreetingChattyKVEnv(max_steps=4), kv_tasks, reference=lambda task: reference)
+    ro = AgentRollout(scripted, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    prompt = scripted.tokenizer.decode(out["prompt_ids"][0])
+    assert "Which key?<|im_end|>\n<|im_start|>user\nIt is k1.<|im_end|>" in prompt and "Hi! How can I help" in prompt
+    assert prompt.endswith('"value": 10}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    assert [ep.preplayed for ep in ro.last] == [2, 2] and ro.stats[0]["preplayed_steps"] == 2.0  # not the greeting
+    assert out["tool_calls"] == [1, 1] and out["reward"] == [1.0, 0.0]
 
 
 def test_start_late_off_never_asks_for_the_reference(scripted):

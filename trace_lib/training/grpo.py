@@ -34,21 +34,21 @@ sampler draws from the grammar-masked distribution while the loss uses the model
 usual approximation of grammar-constrained RL.
 
 Hint swap (`train.hint_fraction`, `training/hints.py`): the last round(fraction·K) samples of each
-group are played from the opening with the task's expert guidance appended to the user turn; their
-`prompt_ids` (what is trained) are the opening without it, their completion the guided episode's
-turns, so the gradient is taken as if the policy had acted that way unguided. A source without a
-`hint` function, or a task whose hint is None, plays every sample unguided.
+group are played from the opening with the task's expert guidance appended to its last user turn (after
+a played question, the user's reply); their `prompt_ids` (what is trained) are the opening without it,
+their completion the guided episode's turns, so the gradient is taken as if the policy had acted that way
+unguided. A source without a `hint` function, or a task whose hint is None, plays every sample unguided.
 
 Reverse curriculum (`train.start_late`, a share R of the N = `train.iterations`): at iteration i < L =
 ceil(R·N) an episode starts after the first ceil(n·(L-i)/L) of the n leading steps of the task's reference
-solution (`TrainSource.reference`, `leading_steps`): its read-tool calls and what it says to the user, up to
-its first write (a confirmation asked before it included), the answer it ends with left to the agent. The environment plays them (tool results in
-full; the user replies to what is said), and they are part of `prompt_ids`, so they are neither sampled nor
-trained. From iteration L on, episodes are whole (if a rollout budget stops training early, possibly
-never). A source without a reference, or a task whose reference starts otherwise, plays from the start.
-Played steps count as the episode's turns (`max_steps`) and played calls as its tool calls (the efficiency
-reward's count); `tool_choice: first` then no longer forces the agent's first own turn, which usually has
-to answer.
+solution (`TrainSource.reference`, `leading_steps`): its read-tool calls and what it says to the user, up
+to its first write (a confirmation asked before it included), the answer it ends with left to the agent.
+The environment plays them (tool results in full; the user replies to what is said), and they are part of
+`prompt_ids`, so they are neither sampled nor trained; the environment's rubric sees them as the agent's.
+From iteration L on, episodes are whole (if a rollout budget stops training early, possibly never). A
+source without a reference, or a task whose reference starts otherwise, plays from the start. Played steps
+count as the episode's turns (`max_steps`) and played calls as its tool calls (the efficiency reward's
+count); `tool_choice: first` then no longer forces the agent's first own turn.
 
 Samples (paper: "samples whose only action is a read-only lookup are filtered out"): a sample is
 one agent turn, i.e. one span of mask-1 tokens. With `filter_lookup_only` a turn whose action is
@@ -119,7 +119,8 @@ class Episode:
     """The opening the episode is played from when it differs from the trained `prompt_ids` (the
     hint swap: the opening with expert guidance; the guidance is not in the trained sequence)."""
     preplayed: int = 0
-    """Reference steps (agent turns) the environment played before the agent's first turn (`train.start_late`)."""
+    """Reference steps the environment played for the agent before its first turn (`train.start_late`; a
+    greeting the environment opens with is not one)."""
     env_reward: float = 0.0
     rubric: dict[str, Any] | None = None
     """The environment's multi-level verdict ({"steps", "gates"}), when it gives one."""
@@ -162,14 +163,14 @@ def _lookup_only(msg: Message, kinds: dict[str, str]) -> bool:
     return msg.invalid is None and bool(msg.tool_calls) and all(kinds.get(c.name) == "read" for c in msg.tool_calls)
 
 
-def preplay_count(iteration: int, iterations: int, start_late: float, n_calls: int) -> int:
-    """How many of a reference's `n_calls` leading steps the environment plays before the agent's
+def preplay_count(iteration: int, iterations: int, start_late: float, n_steps: int) -> int:
+    """How many of a reference's `n_steps` leading steps the environment plays before the agent's
     first turn at `iteration` (0-based) of `iterations` (`train.iterations`, the reverse curriculum of
     `train.start_late`)."""
     phase = math.ceil(round(start_late * iterations, 9))  # 0.07 * 100 is 7.000000000000001
-    if n_calls <= 0 or iteration >= phase:
+    if n_steps <= 0 or iteration >= phase:
         return 0
-    return math.ceil(n_calls * (phase - iteration) / phase)
+    return math.ceil(n_steps * (phase - iteration) / phase)
 
 
 PlayedStep = ToolCall | str
@@ -179,21 +180,24 @@ PlayedStep = ToolCall | str
 def leading_steps(steps: Sequence[Any], kinds: dict[str, str] | None = None) -> list[PlayedStep]:
     """The steps of a reference solution that may be played for the agent (`train.start_late`): its tool
     calls ({"tool"|"name", "arguments"}) and messages ({"say": text}) up to its first malformed step or, with
-    the environment's tool `kinds`, its first call that is not a read (a question asked before that write,
-    such as a confirmation, is played and the user answers it). A reference played to its end leaves its
-    last message (the answer) out, so the agent always has its own part to play."""
+    the environment's tool `kinds`, its first call that is not a read. A question asked before that write
+    (a confirmation) is played and the user answers it; otherwise the last message (the answer, at the end or
+    before a malformed step) is left out, so the agent always has its own part to play."""
     played: list[PlayedStep] = []
     for step in steps:
-        text = step.get("say") if isinstance(step, dict) else None
-        if isinstance(text, str) and text.strip():
+        if not isinstance(step, dict):
+            break
+        name, args = step.get("tool", step.get("name")), step.get("arguments", {})
+        if name is None and "say" in step:  # a message (a step naming a tool is a call, as the validator reads it)
+            text = step["say"]
+            if not isinstance(text, str) or not text.strip():
+                break
             played.append(text)
             continue
-        name, args = (step.get("tool", step.get("name")), step.get("arguments", {})) if isinstance(step, dict) \
-            else (None, None)
         if not isinstance(name, str) or not name or not isinstance(args, dict):
-            return played
+            break
         if kinds is not None and kinds.get(name) != "read":
-            return played
+            return played  # stopped by a write: what was said before it is a question to the user
         played.append(ToolCall(name=name, arguments=args))
     return played[:-1] if played and isinstance(played[-1], str) else played
 
@@ -208,14 +212,15 @@ def _replay(env: Environment, task: Task, actions: Sequence[Message]) -> bool:
     return True
 
 
-def preplayed_opening(env: Environment, task: Task, steps: Sequence[PlayedStep]) -> list[Message]:
+def preplayed_opening(env: Environment, task: Task, steps: Sequence[PlayedStep]) -> tuple[list[Message], int]:
     """The opening of `task` followed by `steps` played one per assistant turn (a call with its result, a
-    message with the user's reply): the environment's conversation after them, which it is left in.
+    message with the user's reply): the environment's conversation after them, which it is left in, and how
+    many steps were played.
 
-    Only read tools are played, and nothing from the first call that is not one, or from the first step
-    that the environment refuses or that would end the episode: a write played for the agent would be
-    unconfirmed (retail scores that 0), and a failed step would teach from a broken start. The steps
-    played count as the episode's turns (`max_steps`), their calls as its tool calls."""
+    Of the calls, only reads are played, and nothing from the first call that is not one, or from the first
+    step that the environment refuses or that would end the episode: a write played for the agent would be
+    unconfirmed (retail scores that 0), and a failed step would teach from a broken start. The steps played
+    count as the episode's turns (`max_steps`), their calls as its tool calls."""
     kinds = env.tool_kinds()
     env.reset(task)
     actions: list[Message] = []
@@ -230,10 +235,11 @@ def preplayed_opening(env: Environment, task: Task, steps: Sequence[PlayedStep])
         if result.done or any(o.error for o in result.observations):
             if not _replay(env, task, actions):  # not deterministic after all: start from the opening
                 env.reset(task)
+                actions = []
             break
         actions.append(msg)
     assert env.state is not None
-    return list(env.state.messages)
+    return list(env.state.messages), len(actions)
 
 
 def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
@@ -241,11 +247,10 @@ def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: in
     """A new episode of `task`; with `hint`, played from the opening with that guidance while the
     trained sequence starts from the opening without it; with `preplay`, started after those reference
     steps (`preplayed_opening`)."""
-    opening = preplayed_opening(env, task, preplay) if preplay else env.reset(task)
+    opening, preplayed = preplayed_opening(env, task, preplay) if preplay else (env.reset(task), 0)
     tools = env.tool_schemas()
     prompt = policy.encode(render_prompt(policy.tokenizer, opening, tools))
     guided = None if hint is None else policy.encode(render_prompt(policy.tokenizer, with_hint(opening, hint), tools))
-    preplayed = sum(1 for m in opening if m.role == "assistant")
     return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided, preplayed=preplayed)
 
 
