@@ -20,8 +20,7 @@ from pathlib import Path
 
 from trace_lib.agent.policy import load_policy
 from trace_lib.envs.said import is_said_to_user
-from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-from trace_lib.stages.train import _sandbox_limits, _solution
+from trace_lib.stages.train import _sandbox_limits, _synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.training.grpo import leading_steps, play, start_episode
 
@@ -47,11 +46,11 @@ def main() -> None:
     cfg = params.train.model_copy(update={"temperature": temperature})
     seeds = list(range(params.train.seed_offset, params.train.seed_offset + args.tasks))
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
-        tasks = synthetic_tasks(box, args.capability, seeds, params.synthesize.difficulty, "train")
+        source = _synthetic_source(box, args.capability, params)  # the train stage's: its env, tasks, reference
         episodes = []
-        for task in tasks:
-            env = SyntheticEnv(box, params.env, max_steps=cfg.max_steps_per_episode)
-            steps = leading_steps(_solution(box, task), env.tool_kinds())
+        for task in source.make_tasks(seeds):
+            env = source.make_env()
+            steps = leading_steps(source.reference(task), env.tool_kinds())
             episodes.append(start_episode(policy, args.capability, task.seed, task, 0, env, preplay=steps))
         play(policy, episodes, cfg, seed=params.seed)
         summary: Counter[str] = Counter()
