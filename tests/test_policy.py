@@ -308,6 +308,60 @@ def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, mo
     assert saved > pol.stats.cached_prompt_tokens - before + 2 * 50  # rows 1 and 2 did not compute the result
 
 
+def test_prefill_passes_give_a_long_row_a_pass_of_its_own():
+    from trace_lib.agent.policy import PASS_OVERHEAD_TOKENS, prefill_cost, prefill_passes
+
+    assert prefill_cost([], [], 100) == 0.0
+    assert prefill_cost([10, 4], [0, 50], 0) == pytest.approx(PASS_OVERHEAD_TOKENS + 2 * 10 * (1 + 60 / 750))
+    # a 600-token tool result after a long history, two rows of a few tokens, a second long result
+    widths, held = [600, 3, 5, 400, 1], [3000, 40, 60, 200, 3000]
+    passes = prefill_passes(widths, held, 1800)
+    assert sorted(i for p in passes for i in p) == [0, 1, 2, 3, 4]  # every row in exactly one pass
+    # the short rows share a pass, but not with the one-token row whose long history all would attend to
+    assert passes == [[0], [3], [1, 2], [4]]
+    cost = sum(prefill_cost([widths[i] for i in p], [held[i] for i in p], 1800) for p in passes)
+    assert cost < prefill_cost(widths, held, 1800) / 3
+    # rows of one shape share a pass
+    assert prefill_passes([30, 30, 30], [100, 100, 100], 1800) == [[0, 1, 2]]
+
+
+def test_rows_prefilled_in_separate_passes_decode_like_one_padded_pass(tiny_model_dir, monkeypatch):
+    import trace_lib.agent.policy as policy_mod
+
+    pol = load_policy(tiny_model_dir, dtype="float32")
+    pol.stop_ids = [-1]
+    keys = [("p", i) for i in range(3)]
+    calls = []
+    prefill = policy_mod.Policy._prefill
+
+    def counted(self, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return prefill(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(policy_mod.Policy, "_prefill", counted)
+
+    def play():
+        pol.clear_prefix_cache()
+        calls.clear()
+        conversations = convs(3)
+        outs = []
+        for turn in range(2):
+            gens = pol.generate(conversations, TOOLS, temperature=0.0, max_new_tokens=4, seed=turn, sessions=keys)
+            outs.append(texts(gens))
+            for i, conv in enumerate(conversations):  # row 0 gets a long tool result, the others a word
+                reply = "order #W1: " + "item, " * 150 if i == 0 else f"row {i}"
+                conv += [Message(role="assistant", content="Looking."), Message(role="user", content=reply)]
+        pol.end_sessions(keys)
+        return outs, list(calls)
+
+    split, split_calls = play()
+    assert split_calls[-3:] == [1, 2, 3]  # the long row alone, the short rows together, then every last token
+    monkeypatch.setattr(policy_mod, "prefill_cost", lambda *a: 0.0)  # one padded pass always looks cheapest
+    padded, padded_calls = play()
+    assert padded_calls[-1:] == [3] and len(padded_calls) < len(split_calls)
+    assert split == padded
+
+
 def test_the_engine_runs_where_the_weights_are(tiny_model_dir):
     from trace_lib.agent.policy import resolve_device
 

@@ -22,6 +22,9 @@ chosen adapter or none).
   episodes of a GRPO group after the same first tool call, which returned the same long result)
   have that common stretch computed once, in a batch of its own, and every row of the group starts
   from its KV states (`shared_stems`); measured in `benchmarks/train_step.py`;
+* prefill passes of similar rows: a row's new tokens (a 600-token tool result, say) are computed in
+  a pass with rows of similar width and history (`prefill_passes`), not padded into one pass with
+  the whole batch, where every row would pay for the widest row's tokens and the longest history;
 * a preallocated KV buffer (no `torch.cat` of the whole cache at every step);
 * finished rows leave the batch, so a batch costs what its live rows cost.
 
@@ -57,6 +60,14 @@ MAX_STEM_TAIL = 8
 """Longest part of a row's prompt after its shared stem (see `shared_stems`)."""
 MAX_SESSIONS = 256
 """Episodes whose KV states are kept between turns (~23 KB per token each for SmolLM2-135M in bf16)."""
+PASS_OVERHEAD_TOKENS = 32
+"""Fixed cost of one prefill pass (30 layers' operator dispatch), in token-forwards (see `prefill_cost`)."""
+KEYS_PER_TOKEN = 750
+"""Query-key pairs of prefill attention that cost as much as one token-forward of the rest of the model.
+
+Measured on the rollout stage (2 cores, bf16, SmolLM2-135M): a padded pass of 8 rows x 625 new tokens
+over up to 2.7k earlier positions took 11.9 s, ~2.5 s of it in the linear layers (0.5 ms per token)
+and ~9 s in the CPU flash kernel over 13.5M query-key pairs (0.67 us each, all layers)."""
 
 
 @dataclass
@@ -303,29 +314,46 @@ class Policy:
         """`reused` extended by shared stems (see `shared_stems`), and the stem tokens computed for them.
 
         Each stem is the common stretch of its rows' prompts after the most their members have
-        cached; it is prefilled once (all stems in one batch, from the base row's own session) and
-        each member row then reuses it like a kept session. The KV states of a position depend only
-        on the tokens up to it, so this is the computation each row would have done.
+        cached; it is prefilled once (from the base row's own session) and each member row then
+        reuses it like a kept session. The KV states of a position depend only on the tokens up to
+        it, so this is the computation each row would have done.
+
+        The other rows compute all but their last token here too, so that the final pass is as
+        narrow as the stems' tails. These passes are not one padded batch: a pass costs every row
+        the widest row's new tokens times its longest history (padding), so rows are split into
+        passes of similar shapes (`prefill_passes`). Without stems, rows do this only where it is
+        cheaper than one padded pass over whole suffixes (`prefill_cost`).
         """
+        n = len(prompts)
         kept = [0 if r is None else len(r.ids) for r in reused]
         stems = shared_stems(prompts, [prefix_len + k for k in kept])
-        if not stems:
-            return reused, 0
-        # The other rows compute all but their last token in the same pass: the second pass is then
-        # as narrow as the stems' tails (padded to its widest row, a long row there would make every
-        # row pay for its width).
+        shared = bool(stems)
         grouped = {i for rows, _ in stems for i in rows}
         stems += [([i], len(p) - 1) for i, p in enumerate(prompts)
                   if i not in grouped and len(p) - 1 > prefix_len + kept[i]]
+        if not stems:
+            return reused, 0
         bases = [max(rows, key=lambda i: kept[i]) for rows, _ in stems]
-        stem_prompts = [prompts[b][:end] for b, (_, end) in zip(bases, stems)]
-        _, cache, mask = self._prefill(stem_prompts, prefix_len, prefix_kv, 0, cascade, [reused[b] for b in bases])
+        widths = [end - prefix_len - kept[b] for b, (_, end) in zip(bases, stems)]
+        held = [kept[b] for b in bases]
+        passes = prefill_passes(widths, held, prefix_len)
+        if not shared:
+            one_pass = prefill_cost([len(p) - prefix_len - k for p, k in zip(prompts, kept)], kept, prefix_len)
+            split = sum(prefill_cost([widths[j] for j in part], [held[j] for j in part], prefix_len)
+                        for part in passes)
+            split += prefill_cost([1] * n, [len(p) - 1 - prefix_len for p in prompts], prefix_len)
+            if one_pass <= split:
+                return reused, 0
         out = list(reused)
-        for j, (rows, end) in enumerate(stems):
-            session = _row_session(head, stem_prompts[j][prefix_len:], cache, mask, j, prefix_len)
-            for i in rows:
-                out[i] = session
-        return out, sum(end - prefix_len - kept[b] for b, (_, end) in zip(bases, stems))
+        for part in passes:
+            stem_prompts = [prompts[bases[j]][: stems[j][1]] for j in part]
+            _, cache, mask = self._prefill(stem_prompts, prefix_len, prefix_kv, 0, cascade,
+                                           [reused[bases[j]] for j in part])
+            for slot, j in enumerate(part):
+                session = _row_session(head, stem_prompts[slot][prefix_len:], cache, mask, slot, prefix_len)
+                for i in stems[j][0]:
+                    out[i] = session
+        return out, sum(widths)
 
     def _decode(self, prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens, seed,
                 processor, t0, sessions=None):
@@ -513,6 +541,40 @@ def shared_stems(prompts: Sequence[Sequence[int]], starts: Sequence[int],
         rows, end = [i], len(prompts[i]) - 1
     groups.append((rows, end))
     return [(sorted(g), e) for g, e in groups if len(g) > 1 and saving(g, e) >= MIN_STEM_SAVING]
+
+
+def prefill_cost(widths: Sequence[int], held: Sequence[int], prefix_len: int) -> float:
+    """Estimated cost of one padded prefill pass over these rows, in token-forwards.
+
+    Every row is padded to the widest row's new tokens, and each new token attends to the shared
+    prefix and to the longest history held by any row (masked, but computed):
+    `PASS_OVERHEAD_TOKENS + rows x width x (1 + (prefix + history + width) / KEYS_PER_TOKEN)`.
+    """
+    if not widths:
+        return 0.0
+    w, h = max(widths), max(held)
+    return PASS_OVERHEAD_TOKENS + len(widths) * w * (1 + (prefix_len + h + w) / KEYS_PER_TOKEN)
+
+
+def prefill_passes(widths: Sequence[int], held: Sequence[int], prefix_len: int) -> list[list[int]]:
+    """Rows (`widths[i]` new tokens after `held[i]` cached ones) split into prefill passes.
+
+    Greedy, widest rows first: a row joins the current pass when padding it there costs less
+    than a pass of its own (`prefill_cost`). A long tool result then gets a pass to itself
+    instead of making every row of the batch pay for its width and history.
+    """
+    passes: list[list[int]] = []
+    for i in sorted(range(len(widths)), key=lambda i: (-widths[i], -held[i], i)):
+        if passes:
+            cur = passes[-1]
+            joined = prefill_cost([widths[j] for j in [*cur, i]], [held[j] for j in [*cur, i]], prefix_len)
+            apart = (prefill_cost([widths[j] for j in cur], [held[j] for j in cur], prefix_len)
+                     + prefill_cost([widths[i]], [held[i]], prefix_len))
+            if joined <= apart:
+                cur.append(i)
+                continue
+        passes.append([i])
+    return [sorted(p) for p in passes]
 
 
 def _row_session(head: tuple[str | None, tuple[int, ...]], ids: list[int], cache: Any, mask: torch.Tensor, j: int,

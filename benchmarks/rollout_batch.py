@@ -1,0 +1,89 @@
+"""The rollout stage's own work, timed: batch sizes, and ragged against padded prefill and attention.
+
+Runs the rollout stage's work (the train split's tasks, the params' samples, seed and decoding) once per
+(mode, batch size) in one process, rows alternating over repeats so a drifting machine favours none, and
+reports seconds, prefill and decode seconds, agent tokens, agent tokens per second and successes.
+
+Modes:
+    ragged   the engine as it is: rows' new tokens prefilled in passes of similar rows
+             (`policy.prefill_passes`), a decoding step reading a long row's early keys apart
+             (`kvcache.history_split`)
+    padded   as before those two: one padded prefill pass over all rows, every row's keys read up to
+             the longest history (both helpers patched to always choose the single batch)
+
+Batch size: decoding on the CPU reads every weight (~270 MB in bf16 for SmolLM2-135M) once per step
+whatever the batch, so more rows per step should cost little more, unless per-row work (attention over
+long histories, prefill) dominates. Episodes differ between rows: the sampling seed of a call depends on
+the call's index and on which episodes share it, and bf16 rounding on the batch's shapes.
+
+    python benchmarks/rollout_batch.py [--params params.yaml] [--modes ragged,padded] [--batch-sizes 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from trace_lib.agent import kvcache
+from trace_lib.agent import policy as policy_mod
+from trace_lib.agent.rollout import collect_rollouts
+from trace_lib.config import load_params
+from trace_lib.envs import make_env, make_tasks
+
+
+@contextmanager
+def engine_mode(mode: str):
+    if mode not in ("ragged", "padded"):
+        raise ValueError(f"unknown mode {mode!r} (ragged, padded)")
+    saved = policy_mod.prefill_cost, kvcache.history_split
+    if mode == "padded":
+        policy_mod.prefill_cost = lambda *a: 0.0  # every split looks no cheaper than one padded pass
+        kvcache.history_split = lambda starts, length: 0  # every row's keys from column 0
+    try:
+        yield
+    finally:
+        policy_mod.prefill_cost, kvcache.history_split = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--modes", default="ragged,padded")
+    ap.add_argument("--batch-sizes", default="8")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--tasks", type=int, default=0, help="first N train tasks (0: all)")
+    args = ap.parse_args()
+    params = load_params(args.params)
+    policy = policy_mod.load_policy(Path(params.model.out_dir), dtype=params.model.dtype)
+    tasks = make_tasks(params.env, params.rollout.split)
+    tasks = tasks[: args.tasks] if args.tasks else tasks
+    runs = [(m, int(b)) for m in args.modes.split(",") for b in args.batch_sizes.split(",")]
+    rows: dict[tuple[str, int], list[tuple[float, float, float, int, int, int]]] = {r: [] for r in runs}
+    for rep in range(args.repeats):
+        for mode, b in runs if rep % 2 == 0 else runs[::-1]:
+            cfg = params.rollout.model_copy(update={"batch_size": b})
+            policy.clear_prefix_cache()
+            before = policy.stats.as_dict()
+            t0 = time.perf_counter()
+            with engine_mode(mode):
+                trajs, timing = collect_rollouts(policy, lambda: make_env(params.env), tasks, cfg, params.seed,
+                                                 progress=False)
+            seconds = time.perf_counter() - t0
+            after = policy.stats.as_dict()
+            prefill, decode = (after[k] - before[k] for k in ("prefill_seconds", "decode_seconds"))
+            wins = sum(t.success for t in trajs)
+            rows[(mode, b)].append((seconds, prefill, decode, timing.completion_tokens, wins, len(trajs)))
+            print(f"{mode} batch {b} repeat {rep}: {seconds:.1f} s (prefill {prefill:.1f}, decode {decode:.1f}), "
+                  f"{timing.completion_tokens} agent tokens, {wins}/{len(trajs)} succeeded", flush=True)
+    print("\n| mode | batch_size | seconds | prefill s | decode s | agent tokens | agent tokens/s | succeeded |")
+    print("| --- | ---: | --- | --- | --- | --- | --- | --- |")
+    for (mode, b), rs in rows.items():
+        cols = [", ".join(f"{r[i]:.1f}" for r in rs) for i in range(3)]
+        print(f"| {mode} | {b} | {' | '.join(cols)} | {', '.join(str(r[3]) for r in rs)} | "
+              f"{', '.join(f'{r[3] / r[0]:.1f}' for r in rs)} | {', '.join(f'{r[4]}/{r[5]}' for r in rs)} |")
+
+
+if __name__ == "__main__":
+    main()
