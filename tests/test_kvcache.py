@@ -83,6 +83,24 @@ def test_cascade_over_histories_of_different_lengths_equals_attention_over_the_c
     _cascade_matches_concatenation(q, pk, pv, k, v, mask, dtype)
 
 
+def test_split_histories_keep_queries_that_see_nothing_in_one_part():
+    torch.manual_seed(4)
+    b, h, hkv, plen, s, d, lq = 3, 4, 2, 3, 3000, 8, 3
+    q = torch.randn(b, h, lq, d)
+    pk, pv = torch.randn(1, hkv, plen, d), torch.randn(1, hkv, plen, d)
+    k, v = torch.randn(b, hkv, d, s).transpose(-1, -2), torch.randn(b, hkv, s, d)
+    mask = torch.zeros(b, 1, lq, plen + s, dtype=torch.bool)
+    mask[..., :plen] = True
+    mask[0, ..., plen:] = True  # row 0: the whole history
+    mask[0, :, 1, plen + 2500:] = False  # ... but its query 1 sees only the early part
+    mask[1, :, :, plen + 2600:] = True  # row 1: the late part only
+    mask[1, :, 0, plen:] = False  # ... and its query 0 is padding: the prefix only
+    mask[2, :, :, plen + 2800:] = True
+    assert history_split([0, 2600, 2800], s) == 2600
+    out = _cascade_matches_concatenation(q, pk, pv, k, v, mask, torch.float32)
+    assert torch.isfinite(out).all()
+
+
 def test_without_a_shared_prefix_it_is_plain_sdpa():
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)

@@ -343,6 +343,7 @@ def test_rows_prefilled_in_separate_passes_decode_like_one_padded_pass(tiny_mode
     def play():
         pol.clear_prefix_cache()
         calls.clear()
+        before = pol.stats.cached_prompt_tokens
         conversations = convs(3)
         outs = []
         for turn in range(2):
@@ -352,14 +353,15 @@ def test_rows_prefilled_in_separate_passes_decode_like_one_padded_pass(tiny_mode
                 reply = "order #W1: " + "item, " * 150 if i == 0 else f"row {i}"
                 conv += [Message(role="assistant", content="Looking."), Message(role="user", content=reply)]
         pol.end_sessions(keys)
-        return outs, list(calls)
+        return outs, list(calls), pol.stats.cached_prompt_tokens - before
 
-    split, split_calls = play()
+    split, split_calls, split_cached = play()
     assert split_calls[-3:] == [1, 2, 3]  # the long row alone, the short rows together, then every last token
     monkeypatch.setattr(policy_mod, "prefill_cost", lambda *a: 0.0)  # one padded pass always looks cheapest
-    padded, padded_calls = play()
+    padded, padded_calls, padded_cached = play()
     assert padded_calls[-1:] == [3] and len(padded_calls) < len(split_calls)
     assert split == padded
+    assert split_cached == padded_cached > 0  # the same tokens computed, however they were split
 
 
 def test_the_engine_runs_where_the_weights_are(tiny_model_dir):
