@@ -4,7 +4,7 @@
 history in a buffer as long as the longest row's (keys stored transposed, as `BufferedLayer` does),
 bf16, SmolLM2-135M's heads (9 query, 3 key-value, 64 wide). Rows: `split` (the engine: the late keys of
 all rows together, a long row's early keys apart, `history_split`) and `padded` (every row's keys from
-column 0). Milliseconds per layer and per step (x 30 layers), mean of 50 calls after one warm-up.
+column 0: `rollout_batch.py`'s padded mode). Milliseconds per layer and per step (x 30 layers), mean of 50 calls after one warm-up.
 
     python benchmarks/ragged_history.py
 """
@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rollout_batch import engine_mode  # this folder: the script's own path entry
 from trace_lib.agent import kvcache
 
 CASES = [("one row 4.8k, seven 1k", 4800, [4800] + [1000] * 7), ("all 1k", 1000, [1000] * 8),
@@ -35,7 +36,6 @@ def main() -> None:
     bf, plen = torch.bfloat16, 1800
     pk, pv = torch.randn(1, 3, plen, 64, dtype=bf), torch.randn(1, 3, plen, 64, dtype=bf)
     layer = SimpleNamespace(layer_idx=0)
-    split = kvcache.history_split
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| histories | split ms/layer | padded ms/layer | split ms/step | padded ms/step | padded / split |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -48,11 +48,9 @@ def main() -> None:
         for i, n in enumerate(lens):
             mask[i, ..., plen + length - n:] = True
         times = {}
-        for row, chooser in (("split", split), ("padded", lambda starts, length: 0)):
-            kvcache.history_split = chooser
-            with kvcache.shared_prefix([(pk, pv)]):
+        for row, mode in (("split", "ragged"), ("padded", "padded")):
+            with engine_mode(mode), kvcache.shared_prefix([(pk, pv)]):
                 times[row] = per_call_ms(lambda: kvcache.cascade_attention(layer, q, k, v, mask, scaling=0.125))
-        kvcache.history_split = split
         print(f"| {name} | {times['split']:.2f} | {times['padded']:.2f} | {30 * times['split']:.1f} | "
               f"{30 * times['padded']:.1f} | {times['padded'] / times['split']:.2f}x |")
 
