@@ -106,7 +106,10 @@ def test_dotted_overrides(tmp_path: Path):
 
 def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
     cpu = params_from_dict({})
-    assert cpu.evaluate.methods == ["base", "oracle_route", "trace"] and cpu.evaluate.route_mode == "argmax"
+    assert cpu.evaluate.methods == ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
+                                    "trace"] and cpu.evaluate.route_mode == "argmax"
+    assert cpu.train.baselines == ["grpo_target", "merged_data"] and cpu.scaling.budgets == [16, 32, 44, 60]
+    assert load_params(Path(__file__).parents[1] / "params.yaml").scaling.budgets == [16, 32, 44, 60]
     paper = params_from_dict({"profile": "paper"})
     assert "grpo_target" in paper.evaluate.methods and paper.evaluate.route_mode == "both"
     gpu = params_from_dict({"profile": "gpu"})

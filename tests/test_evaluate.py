@@ -28,6 +28,7 @@ from trace_lib.evaluation.tables import (
     MethodRun,
     markdown,
     not_run_table,
+    paired_table,
     routing_table,
     summarize_runs,
     table1,
@@ -289,6 +290,16 @@ def test_table1_renders_not_run_rows_budget_and_best_single():
                                    "merged data (one adapter)", "single-capability (best: a)"]
     assert routing.loc["TRACE (argmax)", "Δ vs base (pp)"].startswith("+50.0 [")
     assert float(routing.loc["TRACE (argmax)", "McNemar p"]) == pytest.approx(2 / 2**5)
+    paired = paired_table(runs).set_index("method")
+    assert list(paired.index) == ["GRPO on target", "linear merge (α = 1/n)", "single-capability (best: a)",
+                                  "single: a", "single: b", "TRACE (argmax)"]
+    # TRACE (argmax) solves all 10 tasks, GRPO on target 6: TRACE wins 4 tasks and loses none
+    assert paired.loc["GRPO on target", "TRACE − method (pp)"].startswith("+40.0 [")
+    assert float(paired.loc["GRPO on target", "McNemar p (TRACE vs method)"]) == pytest.approx(2 / 2**4)
+    assert paired.loc["GRPO on target", "method − base (pp)"].startswith("+10.0 [")
+    assert paired.loc["TRACE (argmax)", "TRACE − method (pp)"] == "—"  # not compared with itself
+    assert paired.loc["TRACE (argmax)", "method − base (pp)"] == routing.loc["TRACE (argmax)", "Δ vs base (pp)"]
+    assert [r for r in runs if r.key == "base"][0].summary["trace_vs"]["trace"] == "trace_argmax"
 
 
 def _adapter(root, name, used, baseline=False):

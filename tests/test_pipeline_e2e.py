@@ -155,7 +155,12 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
     for cid in installed:
         assert (scratch_repo / f"data/envs/{cid}/env.py").is_file()
     train = json.loads((scratch_repo / "reports/metrics/train.json").read_text())
-    assert sorted(train["adapters"]) == sorted(installed)
+    # the capability adapters, then the cpu profile's two baselines at TRACE's budget (discovery included)
+    assert sorted(train["adapters"]) == sorted([*installed, "grpo_target", "merged_data"])
+    per_iteration = 2
+    for name in ("grpo_target", "merged_data"):
+        assert train["adapters"][name]["rollouts"] == train["trace_budget"] // per_iteration * per_iteration
+        assert (scratch_repo / f"data/adapters/_baselines/{name}/adapter_config.json").is_file()
     for cid in installed:
         folder = scratch_repo / f"data/adapters/{cid}"
         assert (folder / "adapter_config.json").is_file() and (folder / "train_log.jsonl").is_file()
@@ -165,9 +170,12 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
     assert (scratch_repo / "reports/figures/train_curves.png").stat().st_size > 1000
     assert (scratch_repo / "reports/figures/train_vs_base.png").stat().st_size > 1000
     curves = sorted((scratch_repo / "reports/train").glob("*.csv"))  # dvc plots: x iteration, y reward
-    assert [p.stem for p in curves] == sorted(installed)
-    assert all(p.read_text().startswith("iteration,rollouts,reward,") and len(p.read_text().splitlines()) == 2
-               for p in curves)  # header + one iteration
+    assert [p.stem for p in curves] == sorted([*installed, "grpo_target", "merged_data"])
+    lines = {p.stem: p.read_text().splitlines() for p in curves}  # header + one row per iteration
+    assert all(rows[0].startswith("iteration,rollouts,reward,") for rows in lines.values())
+    assert {name: len(rows) - 1 for name, rows in lines.items()} == {
+        name: train["adapters"][name]["iterations"] for name in lines}
+    assert all(len(lines[cid]) == 2 for cid in installed)
     again = _run([str(BIN / "dvc"), "repro", "train"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
 
@@ -186,10 +194,14 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
 
     ev = json.loads((scratch_repo / "reports/metrics/evaluate.json").read_text())
     ran = {k for k, v in ev["methods"].items() if v["status"] == "run"}
-    assert {"base", "trace_argmax"} <= ran and "grpo_target" not in ran  # the cpu profile's methods
-    assert ev["tasks"] == 7 and ev["episodes_decoded"] <= 3 * 7
+    # the cpu profile's methods: every one but GEPA (no LLM) and TRACE top-p, baselines at TRACE's budget
+    assert ran == {"base", "grpo_target", "merged_data", "linear_merge", "oracle_route", "trace_argmax",
+                   "single_best"} | {k for k in ev["methods"] if k.startswith("single_")}
+    budget = ev["trace_budget"]["total"]
+    assert 0 < ev["methods"]["grpo_target"]["rollouts"] <= budget and ev["methods"]["linear_merge"]["rollouts"] == budget
+    assert ev["tasks"] == 7 and ev["methods"]["grpo_target"]["trace_vs"]["trace"] == "trace_argmax"
     table1 = (scratch_repo / "reports/tables/table1.md").read_text()
-    assert "TRACE (argmax)" in table1 and "not run" in table1
+    assert "TRACE (argmax)" in table1 and "not run" in table1 and "## Paired tests" in table1
     scaling = json.loads((scratch_repo / "reports/metrics/scaling.json").read_text())
     trace = [p for p in scaling["points"] if p["method"] == "TRACE"]
     assert trace[0]["budget"] == 0 and trace[-1]["success_rate"] == ev["methods"]["trace_argmax"]["overall"]["success_rate"]

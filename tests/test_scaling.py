@@ -36,6 +36,8 @@ def test_budget_points_every_snapshot_then_final():
     # requested budgets take the largest point that fits; duplicates merge; below the first point: base
     picked = budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[10, 19, 40, 1000])
     assert [p["total"] for p in picked] == [0, 36, 52]
+    above = budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[40, 60])
+    assert [p["total"] for p in above] == [0, 36, 52]  # the base model is drawn even when no budget is below 20
     # an iteration one adapter lacks is no point
     uneven = budget_points({"a": [snap("a", 1, 8)], "b": []}, {"a": 16, "b": 16})
     assert [p["total"] for p in uneven] == [0, 32]
@@ -94,7 +96,25 @@ def loras(tiny_model_dir, tmp_path_factory):
     return {"a": save_lora(tiny_model_dir, root / "a", 1, ["q_proj", "v_proj"]),
             "a1": save_lora(tiny_model_dir, root / "a1", 3, ["q_proj", "v_proj"]),
             "b": save_lora(tiny_model_dir, root / "b", 2, ["k_proj", "o_proj"]),
-            "b1": save_lora(tiny_model_dir, root / "b1", 4, ["k_proj", "o_proj"])}
+            "b1": save_lora(tiny_model_dir, root / "b1", 4, ["k_proj", "o_proj"]),
+            "zero": zero_lora(save_lora(tiny_model_dir, root / "zero", 5, ["q_proj", "v_proj"]))}
+
+
+def zero_lora(folder: Path) -> Path:
+    """A saved adapter with its B matrices set to zero: PEFT's starting point, the base model exactly."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    save_file({k: v.zero_() if "lora_B" in k else v for k, v in tensors.items()}, str(path))
+    return folder
+
+
+def test_adapter_is_identity(loras, tmp_path):
+    from trace_lib.agent.adapters import adapter_is_identity
+
+    assert adapter_is_identity(loras["zero"]) and not adapter_is_identity(loras["a"])
+    assert not adapter_is_identity(tmp_path)  # no weights file
 
 
 @pytest.mark.parametrize("backend", ["embedded", "openai"])
@@ -110,8 +130,9 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
         run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server)
     if backend == "openai":
         loaded = {b["lora_name"] for path, b in api.requests if path == "/v1/load_lora_adapter"}
-        assert {"precondition_verification@iter-1", "structured_data_reasoning@iter-1", "grpo_target@iter-1",
+        assert {"precondition_verification@iter-1", "structured_data_reasoning@iter-1", "grpo_target@iter-2",
                 "grpo_target", "precondition_verification", "structured_data_reasoning"} <= loaded
+        assert "grpo_target@iter-1" not in loaded  # B = 0: the base model, never loaded
 
 
 def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict) -> None:
@@ -127,10 +148,13 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
         write_json(folder / "manifest.json", AdapterManifest(
             capability_id=cap, path=str(folder), base_model=tiny_model_dir.name, env_sha256="", backend="trl",
             rollouts_used=8, iterations=2).model_dump(mode="json"))
-    grpo = tmp_path / "data" / "adapters" / "_baselines" / "grpo_target"  # a baseline with one snapshot too
+    # a baseline with two snapshots: the first never updated (B = 0), so it is the base model
+    grpo = tmp_path / "data" / "adapters" / "_baselines" / "grpo_target"
     shutil.copytree(loras["b"], grpo)
-    shutil.copytree(loras["a1"], grpo / "snapshots" / "iter-1")
+    shutil.copytree(loras["zero"], grpo / "snapshots" / "iter-1")
     write_json(grpo / "snapshots" / "iter-1" / "snapshot.json", {"iteration": 1, "rollouts": 6})
+    shutil.copytree(loras["a1"], grpo / "snapshots" / "iter-2")
+    write_json(grpo / "snapshots" / "iter-2" / "snapshot.json", {"iteration": 2, "rollouts": 9})
     write_json(grpo / "manifest.json", AdapterManifest(
         capability_id="grpo_target", path=str(grpo), base_model=tiny_model_dir.name, env_sha256="", backend="trl",
         rollouts_used=12, iterations=2).model_dump(mode="json"))
@@ -149,9 +173,15 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
     final = json.loads((tmp_path / "reports" / "metrics" / "evaluate.json").read_text())["methods"]["trace_argmax"]
     assert trace[-1]["success_rate"] == final["overall"]["success_rate"]
     g = [p for p in metrics["points"] if p["method"] == "GRPO on target"]
-    assert [(p["budget"], p["iteration"]) for p in g] == [(0, 0), (6, 1), (12, None)] and all(p["n"] == 2 for p in g)
-    mid_grpo = [json.loads(x) for x in (tmp_path / "data/scaling/trajectories/grpo_target@6.jsonl").read_text().splitlines()]
-    assert {m["adapter"] for m in mid_grpo} == {"grpo_target@iter-1"}
+    assert [(p["budget"], p["iteration"]) for p in g] == [(0, 0), (6, 1), (9, 2), (12, None)]
+    assert all(p["n"] == 2 for p in g)
+
+    def episodes(name: str) -> list[dict]:
+        return [json.loads(x) for x in (tmp_path / f"data/{name}.jsonl").read_text().splitlines()]
+
+    assert episodes("scaling/trajectories/grpo_target@6") == episodes("evaluate/trajectories/base")
+    assert {m["adapter"] for m in episodes("scaling/trajectories/grpo_target@9")} == {"grpo_target@iter-2"}
+    assert metrics["snapshots_same_as_base"] == ["grpo_target@iter-1"]
     routes = [json.loads(x) for x in (tmp_path / "data/evaluate/routes/trace_argmax.jsonl").read_text().splitlines()]
     mid = [json.loads(x) for x in (tmp_path / "data/scaling/trajectories/trace@8.jsonl").read_text().splitlines()]
     expect = {r["task_id"]: (f"{next(iter(r['weights']))}@iter-1" if r["weights"] else None) for r in routes}

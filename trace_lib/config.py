@@ -448,8 +448,9 @@ class ScalingConfig(Section):
     """Success against rollout budget, and the ablation table (stage `scaling`, the paper's scaling figure)."""
 
     budgets: list[int] | None = None
-    """TRACE totals (rollouts) to draw; each takes the newest adapter snapshots that fit in it
-    (`train.save_every`). None: every snapshot. Budget 0 (the base model) is always drawn."""
+    """Totals (rollouts) to draw on each curve, TRACE's and GRPO on target's; each takes the newest adapter
+    snapshots that fit in it (`train.save_every`). None: every snapshot. Budget 0 (the base model) is always
+    drawn."""
     ablation_runs: dict[Literal["no_filter", "no_synthesis", "efficiency_on", "efficiency_off"], str] = Field(
         default_factory=dict)
     """Ablation row -> root folder of another run of this pipeline (a `dvc exp` workspace copy or a
@@ -504,13 +505,20 @@ PROFILES: dict[str, dict[str, Any]] = {
         # 2 groups of 4: at 1 group every group had identical rewards; two steps at the paper's lr 1e-5
         # left greedy behaviour unchanged, at 5e-4 they move it
         # bf16 base weights (LoRA weights stay fp32): the shared-prompt pass is ~2x faster than in fp32
-        "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16"},
-        # evaluate on CPU: greedy episodes of the base model and of TRACE's argmax routing (the oracle
-        # router shares their episodes where it picks the same weights); the other methods are 'not run'.
+        # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
+        # default's ~30 minutes (2026-11-26)
+        "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16",
+                  "baselines": ["grpo_target", "merged_data"]},
+        # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
+        # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
         # router chosen on the train split (agreement with the task tags, 2026-11-25 run): calibrated 0.50,
         # knn 0.21, logits 0.00 (raw label logits sent every task to "none")
-        "evaluate": {"methods": ["base", "oracle_route", "trace"], "route_mode": "argmax", "interference_seeds": 2,
-                     "router": "calibrated"},
+        "evaluate": {"methods": ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
+                                 "trace"], "route_mode": "argmax", "interference_seeds": 2, "router": "calibrated"},
+        # budget points: TRACE's base, iteration-1 and final adapters (0, 44, 60 rollouts); GRPO on target at
+        # 0, 16, 32, 40 and 56. Each point decodes the 14 test tasks again (~75 s) unless its snapshot is
+        # still the base model; every one of GRPO's 7 snapshots took 9 min (2026-11-26)
+        "scaling": {"budgets": [16, 32, 44, 60]},
     },
     # SmolLM2-135M (the only real weights these machines have) on one GPU, at the budgets a plain GRPO loop
     # needed there to teach it a one-turn skill (320-640 rollouts, lr 2e-4-5e-4, hint swap): 640 rollouts per

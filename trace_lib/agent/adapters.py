@@ -66,6 +66,27 @@ def _read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     return config, tensors
 
 
+def adapter_is_identity(folder: Path) -> bool:
+    """Whether a saved LoRA adapter leaves the base model unchanged: every `lora_B` matrix is all zeros.
+
+    PEFT starts B at zero, and an adapter whose GRPO groups never had differing rewards is never moved
+    (Adam's first step needs a nonzero gradient), so such a snapshot is the base model exactly. False
+    when the folder holds no safetensors weights or no B matrix."""
+    from safetensors import safe_open
+
+    path = Path(folder) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        return False
+    seen = False
+    with safe_open(str(path), framework="pt") as fh:
+        for key in fh.keys():
+            if "lora_B" in key:
+                seen = True
+                if bool(fh.get_tensor(key).any()):
+                    return False
+    return seen
+
+
 def cat_adapter(folders: Mapping[str, Path], weights: Mapping[str, float]
                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(adapter_config, tensors) of one LoRA adapter whose delta is exactly Σ α_c·s_c·B_c·A_c.

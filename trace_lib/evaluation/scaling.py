@@ -74,7 +74,7 @@ def budget_points(snapshots: dict[str, list[Snapshot]], finals: dict[str, int], 
         points.append(last)
     if budgets is None:
         return points
-    picked: list[dict[str, Any]] = []
+    picked: list[dict[str, Any]] = [points[0]]
     for b in sorted(budgets):
         fits = [p for p in points if p["total"] <= b]
         if fits and fits[-1] not in picked:

@@ -53,9 +53,16 @@ class MethodRun:
 
 
 # --- summaries ---------------------------------------------------------------------------------------
+TRACE_ROWS = ("trace_argmax", "trace_top_p")
+"""TRACE's rows; the first that ran is the one every other method is compared with (`trace_vs`)."""
+
+
 def summarize_runs(runs: Sequence[MethodRun], n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> None:
-    """Fill each run's `summary`: overall row, per-family rows, and the paired comparison with base."""
+    """Fill each run's `summary`: overall row, per-family rows, the paired comparison with base
+    (`vs_base`: the method − base) and, for every method but TRACE's rows, with TRACE (`trace_vs`:
+    TRACE − the method, and which TRACE row)."""
     base = next((r for r in runs if r.key == "base" and r.ran), None)
+    trace = next((r for key in TRACE_ROWS for r in runs if r.key == key and r.ran), None)
     for r in runs:
         if not r.ran:
             continue
@@ -63,6 +70,9 @@ def summarize_runs(runs: Sequence[MethodRun], n_boot: int = 2000, level: float =
                      "groups": group_rows(r.trajectories, "family", n_boot, level, seed)}
         if base is not None and r is not base:
             r.summary["vs_base"] = compare(r.trajectories, base.trajectories, n_boot, level, seed)
+        if trace is not None and r.key not in TRACE_ROWS:
+            r.summary["trace_vs"] = {"trace": trace.key,
+                                     **compare(trace.trajectories, r.trajectories, n_boot, level, seed)}
 
 
 def best_single(runs: Sequence[MethodRun]) -> MethodRun | None:
@@ -185,6 +195,24 @@ def routing_table(runs: Sequence[MethodRun], trace_total: int) -> pd.DataFrame:
                      "rollouts": budget_cells(r, trace_total)[0],
                      "note": f"not run: {r.reason}" if not r.ran else r.note})
     return pd.DataFrame(rows, columns=["method", "overall", "Δ vs base (pp)", "McNemar p", "rollouts", "note"])
+
+
+def paired_table(runs: Sequence[MethodRun]) -> pd.DataFrame:
+    """Table 1's paired tests, one row per method that ran but base: the method against base and TRACE
+    against the method, each on the same tasks (difference in points with its bootstrap interval over
+    tasks, exact McNemar p over (task, sample) pairs; `summarize_runs` fills both)."""
+    rows = []
+    for r in ordered_rows(runs):
+        if not r.ran or r.key == "base":
+            continue
+        vs, tv = r.summary.get("vs_base"), r.summary.get("trace_vs")
+        rows.append({"method": r.label, "method − base (pp)": diff_cell(vs),
+                     "McNemar p (vs base)": f"{vs['mcnemar']['p_value']:.3g}" if vs else EMPTY,
+                     "TRACE − method (pp)": diff_cell(tv),
+                     "McNemar p (TRACE vs method)": f"{tv['mcnemar']['p_value']:.3g}" if tv else EMPTY,
+                     "rollouts": EMPTY if r.budget is None else str(r.budget)})
+    return pd.DataFrame(rows, columns=["method", "method − base (pp)", "McNemar p (vs base)", "TRACE − method (pp)",
+                                       "McNemar p (TRACE vs method)", "rollouts"])
 
 
 ROUTER_METRICS = ("tasks", "scored", "router_accuracy", "random_accuracy", "random_expected", "majority_accuracy",

@@ -60,6 +60,7 @@ from trace_lib.evaluation.runner import (
 )
 from trace_lib.evaluation.tables import (
     TABLE1_ORDER,
+    TRACE_ROWS,
     MethodRun,
     capability_table,
     eval_results,
@@ -68,6 +69,7 @@ from trace_lib.evaluation.tables import (
     interference_table,
     markdown,
     ordered_rows,
+    paired_table,
     router_quality_table,
     routing_table,
     summarize_runs,
@@ -294,7 +296,12 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
         caption += (f" On {', '.join(graded_envs)} an episode succeeds when its score is perfect (1); the mean "
                     "reward is the mean score (the milestone similarity), also over tasks.")
     caption += "\n\n"
-    atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption + markdown(t1))
+    paired = ("\n## Paired tests\n\nEach method against the base model, and TRACE ("
+              + next((r.label for k in TRACE_ROWS for r in runs if r.key == k and r.ran), "not run")
+              + ") against each method, on the same tasks: difference in points with its "
+              f"{cfg.ci_level:.0%} bootstrap interval over tasks, exact McNemar p over (task, sample) pairs.\n\n"
+              + markdown(paired_table(runs)))
+    atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption + markdown(t1) + paired)
     atomic_write_text(paths.table("table1", ".csv"), table1_long(runs, groups).to_csv(index=False))
     atomic_write_text(paths.table("routing"), "# Routing vs merging\n\n" + markdown(routing_table(runs, trace_total))
                       + "\n## Router vs oracle and random routing\n\n"
@@ -319,7 +326,8 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
         "split": cfg.split, "envs": env_names, "graded_envs": graded_envs, "tasks": len(tasks), "trace_budget": budget,
         "methods": {r.key: {"label": r.label, "status": "run" if r.ran else "not run", "reason": r.reason,
                             "rollouts": r.budget, "budget_source": r.budget_source,
-                            **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base")} if r.ran else {})}
+                            **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base"),
+                                 "trace_vs": r.summary.get("trace_vs")} if r.ran else {})}
                     for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route"))},
         "routing": quality, "interference": interference, **(extra or {}),
     }

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trace_lib.agent.adapters import adapter_is_identity
 from trace_lib.agent.backends import open_policy
 from trace_lib.config import Params, ScalingConfig
 from trace_lib.envs import make_env
@@ -89,6 +90,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     decisions = read_jsonl(routes, RouteDecision) if routes.is_file() else None
     rows: list[dict[str, Any]] = []
     written: dict[str, list[Trajectory]] = {}
+    same_as_base: list[str] = []  # snapshots still equal to the base model (their points reuse its episodes)
     todo = [p for p in points if p["iteration"] not in (0, None)]
     if base is None:
         reason = evaluated["methods"].get("base", {}).get("reason") or "the base model was not evaluated"
@@ -100,7 +102,8 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     else:
         by_point = {0: base, None: final}
         if todo:
-            by_point.update(_decode_points(params, root, todo, routed_adapters(decisions), base, progress))
+            by_point.update(_decode_points(params, root, todo, routed_adapters(decisions), base, progress,
+                                           same_as_base))
         for p in points:
             trajs = by_point[p["iteration"]]
             rows.append(point_row("TRACE", p["total"], p["iteration"], trajs, "", ecfg.n_boot, ecfg.ci_level,
@@ -118,7 +121,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
         everyone = {t.task_id: ["grpo_target"] for t in base}
         by_point = {0: base, None: grpo_final}
         if g_todo:
-            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress))
+            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress, same_as_base))
         for p in g_points:
             rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["iteration"]], "",
                                   ecfg.n_boot, ecfg.ci_level, ecfg.seed))
@@ -145,17 +148,24 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
                 paths.figure("scaling"))
     metrics = {"points": rows, "ablations": ablations, "trace_budget": budget,
                "decoded_points": len(todo) if base is not None and decisions is not None else 0,
+               "snapshots_same_as_base": same_as_base,
                "seconds": round(time.perf_counter() - t0, 1)}
     write_json(paths.metrics("scaling"), metrics)
     return metrics
 
 
 def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
-                   base: Sequence[Trajectory], progress: bool) -> dict[int, list[Trajectory]]:
+                   base: Sequence[Trajectory], progress: bool, same_as_base: list[str] | None = None
+                   ) -> dict[int, list[Trajectory]]:
     """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots
-    (base episodes reused for tasks sent to no adapter)."""
+    (base episodes reused for tasks sent to no adapter, or only to snapshots that are the base model:
+    `adapter_is_identity`; their names are appended to `same_as_base`)."""
     ecfg = params.evaluate
-    adapters = {snapshot_name(p, c): str(s.path) for p in todo for c, s in p["adapters"].items()}
+    snapshots = {snapshot_name(p, c): s.path for p in todo for c, s in p["adapters"].items()}
+    identity = {name for name, path in snapshots.items() if adapter_is_identity(path)}
+    if same_as_base is not None:
+        same_as_base += sorted(identity)
+    adapters = {name: str(path) for name, path in snapshots.items() if name not in identity}
     policy = open_policy(params, Path(params.model.out_dir), adapters, threads=params.rollout.threads)
     rcfg = eval_rollout_config(params.rollout, ecfg)
     targets = eval_targets(params.env, ecfg, root)
@@ -169,7 +179,7 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
                     memo.setdefault((env_cfg.name, (), t.task_id), []).append(t)
     out = {}
     for p in todo:
-        routing = point_routing(choices, p)
+        routing = {task: ({} if set(w) <= identity else w) for task, w in point_routing(choices, p).items()}
         trajs: list[Trajectory] = []
         for env_cfg, tasks in targets:
             trajs += evaluate_policy(policy, tasks, lambda e=env_cfg: make_env(e), rcfg, ecfg.seed,
