@@ -296,9 +296,9 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
         caption += (f" On {', '.join(graded_envs)} an episode succeeds when its score is perfect (1); the mean "
                     "reward is the mean score (the milestone similarity), also over tasks.")
     caption += "\n\n"
-    paired = ("\n## Paired tests\n\nEach method against the base model, and TRACE ("
-              + next((r.label for k in TRACE_ROWS for r in runs if r.key == k and r.ran), "not run")
-              + ") against each method, on the same tasks: difference in points with its "
+    paired = ("\n## Paired tests\n\nEach method against the base model, and "
+              + next((r.label for k in TRACE_ROWS for r in runs if r.key == k and r.ran), "TRACE (not run)")
+              + " against each method, on the same tasks: difference in points with its "
               f"{cfg.ci_level:.0%} bootstrap interval over tasks, exact McNemar p over (task, sample) pairs.\n\n"
               + markdown(paired_table(runs)))
     atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption + markdown(t1) + paired)
