@@ -38,6 +38,10 @@ def test_budget_points_every_snapshot_then_final():
     assert [p["total"] for p in picked] == [0, 36, 52]
     above = budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[40, 60])
     assert [p["total"] for p in above] == [0, 36, 52]  # the base model is drawn even when no budget is below 20
+    # ... and the final adapters (the evaluate stage's row) even when every budget is below them
+    assert [p["total"] for p in budget_points(snaps, {"a": 24, "b": 24}, extra=64, budgets=[16, 32, 44, 60])] == [
+        0, 112]
+    assert [p["total"] for p in budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[])] == [0, 52]
     # an iteration one adapter lacks is no point
     uneven = budget_points({"a": [snap("a", 1, 8)], "b": []}, {"a": 16, "b": 16})
     assert [p["total"] for p in uneven] == [0, 32]
@@ -186,7 +190,7 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
     mid = [json.loads(x) for x in (tmp_path / "data/scaling/trajectories/trace@8.jsonl").read_text().splitlines()]
     expect = {r["task_id"]: (f"{next(iter(r['weights']))}@iter-1" if r["weights"] else None) for r in routes}
     assert {m["task_id"]: m["adapter"] for m in mid} == expect
-    assert metrics["decoded_points"] == 1
+    assert metrics["decoded_points"] == 2  # TRACE at 8 and GRPO at 9; GRPO at 6 is the base model's episodes
     table = (tmp_path / "reports" / "tables" / "scaling.md").read_text()
     assert "| TRACE | 8 | 1 |" in table and "| GRPO on target | 6 | 1 |" in table
     assert "not run" in table  # the GEPA row says why

@@ -60,7 +60,8 @@ def budget_points(snapshots: dict[str, list[Snapshot]], finals: dict[str, int], 
     Point k uses every adapter's snapshot at iteration k (the last iteration: the final adapter).
     `extra` rollouts (discovery on the target, the synthesize stage's band checks) count in every total
     but 0. With `budgets`, each requested total takes the largest point that fits in it (duplicates
-    merged); without, every iteration is a point. Budget 0, the base model, is always the first point.
+    merged); without, every iteration is a point. Budget 0, the base model, is always the first point
+    and the final adapters (the evaluate stage's row) always the last, whatever `budgets` asks for.
     """
     iterations = sorted({s.iteration for ss in snapshots.values() for s in ss})
     points = [{"total": 0, "iteration": 0, "adapters": {}}]
@@ -79,6 +80,8 @@ def budget_points(snapshots: dict[str, list[Snapshot]], finals: dict[str, int], 
         fits = [p for p in points if p["total"] <= b]
         if fits and fits[-1] not in picked:
             picked.append(fits[-1])
+    if points[-1] not in picked:
+        picked.append(points[-1])
     return picked
 
 

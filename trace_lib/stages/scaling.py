@@ -90,7 +90,10 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     decisions = read_jsonl(routes, RouteDecision) if routes.is_file() else None
     rows: list[dict[str, Any]] = []
     written: dict[str, list[Trajectory]] = {}
-    same_as_base: list[str] = []  # snapshots still equal to the base model (their points reuse its episodes)
+    # snapshots still equal to the base model (at temperature 0 their tasks reuse its episodes), and how many
+    # intermediate points of either curve had episodes to decode
+    same_as_base: list[str] = []
+    decoded: list[int] = []
     todo = [p for p in points if p["iteration"] not in (0, None)]
     if base is None:
         reason = evaluated["methods"].get("base", {}).get("reason") or "the base model was not evaluated"
@@ -103,7 +106,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
         by_point = {0: base, None: final}
         if todo:
             by_point.update(_decode_points(params, root, todo, routed_adapters(decisions), base, progress,
-                                           same_as_base))
+                                           same_as_base, decoded))
         for p in points:
             trajs = by_point[p["iteration"]]
             rows.append(point_row("TRACE", p["total"], p["iteration"], trajs, "", ecfg.n_boot, ecfg.ci_level,
@@ -121,7 +124,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
         everyone = {t.task_id: ["grpo_target"] for t in base}
         by_point = {0: base, None: grpo_final}
         if g_todo:
-            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress, same_as_base))
+            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress, same_as_base, decoded))
         for p in g_points:
             rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["iteration"]], "",
                                   ecfg.n_boot, ecfg.ci_level, ecfg.seed))
@@ -147,7 +150,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     save_figure(scaling_curve(rows, f"{evaluated.get('split', '')} split of {', '.join(evaluated.get('envs', []))}"),
                 paths.figure("scaling"))
     metrics = {"points": rows, "ablations": ablations, "trace_budget": budget,
-               "decoded_points": len(todo) if base is not None and decisions is not None else 0,
+               "decoded_points": len(decoded),
                "snapshots_same_as_base": same_as_base,
                "seconds": round(time.perf_counter() - t0, 1)}
     write_json(paths.metrics("scaling"), metrics)
@@ -155,11 +158,14 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
 
 
 def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
-                   base: Sequence[Trajectory], progress: bool, same_as_base: list[str] | None = None
-                   ) -> dict[int, list[Trajectory]]:
-    """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots
-    (base episodes reused for tasks sent to no adapter, or only to snapshots that are the base model:
-    `adapter_is_identity`; their names are appended to `same_as_base`)."""
+                   base: Sequence[Trajectory], progress: bool, same_as_base: list[str] | None = None,
+                   decoded: list[int] | None = None) -> dict[int, list[Trajectory]]:
+    """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots.
+
+    A snapshot that is the base model (`adapter_is_identity`) is left out of a task's weights (its
+    delta is zero) and never loaded; its name is appended to `same_as_base`. A task left with no
+    adapter runs as the base model: at temperature 0 its base episode is reused. The iteration of each
+    point with a task still under an adapter is appended to `decoded`."""
     ecfg = params.evaluate
     snapshots = {snapshot_name(p, c): s.path for p in todo for c, s in p["adapters"].items()}
     identity = {name for name, path in snapshots.items() if adapter_is_identity(path)}
@@ -179,7 +185,10 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
                     memo.setdefault((env_cfg.name, (), t.task_id), []).append(t)
     out = {}
     for p in todo:
-        routing = {task: ({} if set(w) <= identity else w) for task, w in point_routing(choices, p).items()}
+        routing = {task: {a: x for a, x in w.items() if a not in identity}
+                   for task, w in point_routing(choices, p).items()}
+        if decoded is not None and any(routing.values()):
+            decoded.append(p["iteration"])
         trajs: list[Trajectory] = []
         for env_cfg, tasks in targets:
             trajs += evaluate_policy(policy, tasks, lambda e=env_cfg: make_env(e), rcfg, ecfg.seed,
