@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trace_lib.config import ConfigError, ProfileOverride, load_params, params_from_dict, profile_overrides
+from trace_lib.config import ConfigError, Params, ProfileOverride, load_params, params_from_dict, profile_overrides
 
 
 def test_defaults_are_cpu_profile():
@@ -107,8 +107,10 @@ def test_dotted_overrides(tmp_path: Path):
 def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
     cpu = params_from_dict({})
     assert cpu.evaluate.methods == ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
-                                    "trace"] and cpu.evaluate.route_mode == "argmax"
+                                    "trace", "distilled"] and cpu.evaluate.route_mode == "argmax"
     assert cpu.train.baselines == ["grpo_target", "merged_data"] and cpu.scaling.budgets == [16, 32, 44, 60]
+    assert cpu.train.distill.iterations == 2 and cpu.train.distill.learning_rate is None
+    assert Params().train.distill.iterations == 0  # outside a profile: no distillation
     assert load_params(Path(__file__).parents[1] / "params.yaml").scaling.budgets == [16, 32, 44, 60]
     paper = params_from_dict({"profile": "paper"})
     assert "grpo_target" in paper.evaluate.methods and paper.evaluate.route_mode == "both"

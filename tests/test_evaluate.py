@@ -363,10 +363,19 @@ def test_evaluate_config_rejects_repeated_greedy_samples():
 
 
 # --- the stage ---------------------------------------------------------------------------------------
-def evaluate_tree(root, tiny_model_dir, lora_dirs, **sections) -> Params:
-    """Two (random) capability adapters, the train rollouts and labels the kNN router learns from, and
-    the params of a small evaluate run on 2 retail test tasks (`sections` override)."""
+def evaluate_tree(root, tiny_model_dir, lora_dirs, distilled: bool = False, **sections) -> Params:
+    """Two (random) capability adapters (and, with `distilled`, a distilled student that spent 4 rollouts), the
+    train rollouts and labels the kNN router learns from, and the params of a small evaluate run on 2 retail
+    test tasks (`sections` override)."""
     import shutil
+
+    if distilled:
+        folder = Paths(root).adapter("distilled", baseline=True)
+        shutil.copytree(lora_dirs["b"], folder)
+        write_json(folder / "manifest.json", AdapterManifest(
+            capability_id="distilled", path=str(folder), base_model=tiny_model_dir.name, env_sha256="",
+            backend="trl", rollouts_used=4, iterations=1).model_dump(mode="json"))
+        RolloutLedger(Paths(root).train_ledger("distilled", baseline=True)).add("train", 4, key="distilled")
 
     for cap, src in (("precondition_verification", "a"), ("structured_data_reasoning", "b")):
         folder = root / "data" / "adapters" / cap
@@ -399,7 +408,7 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     from trace_lib.stages.evaluate import run_evaluate
 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
-    params = evaluate_tree(tmp_path, tiny_model_dir, lora_dirs)
+    params = evaluate_tree(tmp_path, tiny_model_dir, lora_dirs, distilled=True)
     metrics = run_evaluate(params, tmp_path, progress=False)
     assert metrics["numerics"]["device"] == "cpu" and metrics["numerics"]["torch"]
     routers = metrics["routers"]
@@ -409,15 +418,19 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     methods = metrics["methods"]
     ran = {k for k, v in methods.items() if v["status"] == "run"}
     assert ran == {"base", "linear_merge", "single_best", "single_precondition_verification",
-                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p"}
+                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p", "distilled"}
     assert methods["gepa"]["reason"] == RULES_REASON and "no adapter at" in methods["grpo_target"]["reason"]
-    # TRACE's budget: 2 x 8 training rollouts plus the 2 discovery rollouts on the target
+    # TRACE's budget: 2 x 8 training rollouts plus the 2 discovery rollouts on the target; the student adds its 4
     assert methods["trace_argmax"]["rollouts"] == 18 and metrics["trace_budget"]["total"] == 18
+    assert methods["distilled"]["rollouts"] == 22 and metrics["baselines"] == ["distilled"]
+    assert methods["distilled"]["trace_vs"]["trace"] == "trace_argmax"
+    student = [json.loads(x) for x in (tmp_path / "data/evaluate/trajectories/distilled.jsonl").open()]
+    assert len(student) == 2 and {t["adapter"] for t in student} == {"distilled"}
     assert metrics["trace_budget"]["discovery"] == 2 == metrics["analysis_rollouts"]
     assert metrics["routing"]["scored"] == 2 and metrics["tasks"] == 2
-    # base, linear merge and the two singles decode 2 tasks each; oracle and TRACE argmax reuse them
-    # (top-p merges may add new weight states)
-    assert 8 <= metrics["episodes_decoded"] <= 10
+    # base, linear merge, the two singles and the student decode 2 tasks each; oracle and TRACE argmax reuse
+    # them (top-p merges may add new weight states)
+    assert 10 <= metrics["episodes_decoded"] <= 12
     out = tmp_path / "data" / "evaluate"
     base = [json.loads(x) for x in (out / "trajectories" / "base.jsonl").read_text().splitlines()]
     assert len(base) == 2 and {b["adapter"] for b in base} == {None}

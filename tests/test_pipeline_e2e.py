@@ -155,8 +155,16 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
     for cid in installed:
         assert (scratch_repo / f"data/envs/{cid}/env.py").is_file()
     train = json.loads((scratch_repo / "reports/metrics/train.json").read_text())
-    # the capability adapters, then the cpu profile's two baselines at TRACE's budget (discovery included)
-    assert sorted(train["adapters"]) == sorted([*installed, "grpo_target", "merged_data"])
+    # the capability adapters, then the cpu profile's two baselines at TRACE's budget (discovery included) and,
+    # with two or more teachers, the distilled student (2 iterations of 1 x 2)
+    after = ["grpo_target", "merged_data", *(["distilled"] if len(installed) >= 2 else [])]
+    assert sorted(train["adapters"]) == sorted([*installed, *after])
+    if len(installed) >= 2:
+        assert train["adapters"]["distilled"]["rollouts"] == 4
+        log = [json.loads(x) for x in (scratch_repo / "data/adapters/_baselines/distilled/train_log.jsonl").open()]
+        assert len(log) == 2 and all(isinstance(r["distill_kl"], float) for r in log)
+    else:
+        assert "distilled" in train["baselines_skipped"]
     per_iteration = 2
     for name in ("grpo_target", "merged_data"):
         assert train["adapters"][name]["rollouts"] == train["trace_budget"] // per_iteration * per_iteration
@@ -170,7 +178,7 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
     assert (scratch_repo / "reports/figures/train_curves.png").stat().st_size > 1000
     assert (scratch_repo / "reports/figures/train_vs_base.png").stat().st_size > 1000
     curves = sorted((scratch_repo / "reports/train").glob("*.csv"))  # dvc plots: x iteration, y reward
-    assert [p.stem for p in curves] == sorted([*installed, "grpo_target", "merged_data"])
+    assert [p.stem for p in curves] == sorted([*installed, *after])
     lines = {p.stem: p.read_text().splitlines() for p in curves}  # header + one row per iteration
     assert all(rows[0].startswith("iteration,rollouts,reward,") for rows in lines.values())
     assert {name: len(rows) - 1 for name, rows in lines.items()} == {
@@ -196,7 +204,8 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
     ran = {k for k, v in ev["methods"].items() if v["status"] == "run"}
     # the cpu profile's methods: every one but GEPA (no LLM) and TRACE top-p, baselines at TRACE's budget
     assert ran == {"base", "grpo_target", "merged_data", "linear_merge", "oracle_route", "trace_argmax",
-                   "single_best"} | {k for k in ev["methods"] if k.startswith("single_")}
+                   "single_best"} | {k for k in ev["methods"] if k.startswith("single_")} | (
+                       {"distilled"} if "distilled" in ev["baselines"] else set())
     budget = ev["trace_budget"]["total"]
     assert 0 < ev["methods"]["grpo_target"]["rollouts"] <= budget and ev["methods"]["linear_merge"]["rollouts"] == budget
     assert ev["tasks"] == 7 and ev["methods"]["grpo_target"]["trace_vs"]["trace"] == "trace_argmax"

@@ -746,3 +746,100 @@ def test_mixture_training_runs(tiny_model_dir, tmp_path):
     ledger = RolloutLedger(tmp_path / "ledger.jsonl")
     m = train_adapter_mixture(tiny_model_dir, srcs, cfg, tmp_path / "mix", seed=0, ledger=ledger, name="mix")
     assert m.config["sources"] == {"x": 2.0, "y": 1.0} and ledger.used("train", "mix") == 4
+
+
+# --- cross-skill distillation -------------------------------------------------------------------------
+def test_distill_advantages_are_the_teacher_minus_student_log_probs_on_trained_tokens():
+    from trace_lib.training.trainer import distill_advantages
+
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 0.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -0.5], [-1.0, -0.1, -4.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    assert torch.equal(distill_advantages(student, teacher, mask), torch.tensor([[0.5, -0.5, 0.0], [2.0, 0.0, 0.0]]))
+
+
+def _save_lora(model_dir, folder, seed):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), _lora())
+    model.save_pretrained(folder)
+    return folder
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                      init_lora_weights=False)
+
+
+def test_distillation_scores_each_episode_with_the_teacher_of_its_source(tiny_model_dir, tmp_path, monkeypatch):
+    """Rows of source `a` get teacher `a`'s log-probs, rows of `b` teacher `b`'s (a stand-in log-prob pass
+    returns a constant per model and adapter), and every episode is trained though all rewards are equal."""
+    import trace_lib.training.trainer as train_mod
+
+    teachers = {"a": _save_lora(tiny_model_dir, tmp_path / "ta", 1),
+                "b": _save_lora(tiny_model_dir, tmp_path / "tb", 2)}
+    real = train_mod.grouped_logps
+    seen: list = []
+
+    def fake(model, ids, attention, keep, mask=None, compute_entropy=False):
+        if torch.is_grad_enabled():  # the loss pass
+            return real(model, ids, attention, keep, mask, compute_entropy)
+        trainer = seen[-1]
+        fill = {"a": -1.0, "b": -2.0}[trainer.teachers.adapter] if model is trainer.teachers.model else -3.0
+        return torch.full((ids.shape[0], keep), fill), None
+
+    original = train_mod.DistillGRPOTrainer._generate_and_score_completions
+    captured: list = []
+
+    def spy(self, inputs):
+        seen.append(self)
+        out = original(self, inputs)
+        mask = out["completion_mask"] * out["tool_mask"]
+        captured.append((out["advantages"], mask, [ep.source for ep in self.rollout_func.last]))
+        return out
+
+    monkeypatch.setattr(train_mod, "grouped_logps", fake)
+    monkeypatch.setattr(train_mod.DistillGRPOTrainer, "_generate_and_score_completions", spy)
+    cfg = TrainConfig(**{**FAST, "iterations": 1, "groups": 4})
+    srcs = [TrainSource(name, lambda: KVEnv(max_steps=3), kv_tasks) for name in ("a", "b")]
+    ledger = RolloutLedger(tmp_path / "ledger.jsonl")
+    m = train_adapter_mixture(tiny_model_dir, srcs, cfg, tmp_path / "student", seed=0, ledger=ledger, name="distilled",
+                              teachers=teachers)
+    advantages, mask, sources = captured[0]
+    assert sorted(set(sources)) == ["a", "b"]
+    for row, source in enumerate(sources):
+        assert torch.equal(advantages[row], {"a": 2.0, "b": 1.0}[source] * mask[row].float())
+    row = read_train_log(tmp_path / "student")[0]
+    assert row["frac_reward_zero_std"] == 0.0 and row["trained_tokens"] > 0 and m.rollouts_used == 8
+    kl = -float((advantages * mask).sum() / mask.sum())
+    assert row["distill_kl"] == pytest.approx(kl, abs=1e-6)
+    # the student's folder holds its own adapter only, and the teachers are untouched
+    assert not any(p.is_dir() and p.name in teachers for p in (tmp_path / "student").iterdir())
+    with pytest.raises(ValueError, match="one teacher per source"):
+        train_adapter_mixture(tiny_model_dir, srcs, cfg, tmp_path / "other", seed=0, ledger=ledger, name="other",
+                              teachers={"a": teachers["a"]})
+
+
+def test_a_student_distilled_from_a_trained_teacher_learns_its_choice(tiny_model_dir, tmp_path):
+    """The real path: a GRPO teacher that learned PickEnv's `approve` (as in the test above: 1/8 -> 8/8), then
+    a fresh student distilled from it on-policy, rewarded by nothing but the teacher's log-probs: its success
+    rises (seed 2: 0.375, 0.5, ... 0.625, 1.0) and the teacher's weights are untouched."""
+    cfg = TrainConfig(groups=2, group_size=4, iterations=8, learning_rate=1e-2, temperature=1.0, max_new_tokens=64,
+                      max_steps_per_episode=2, save_every=100)
+    src = [TrainSource("pick", PickEnv, pick_tasks)]
+    train_adapter_mixture(tiny_model_dir, src, cfg, tmp_path / "teacher", seed=0,
+                          ledger=RolloutLedger(tmp_path / "t.jsonl"), name="pick")
+    before = (tmp_path / "teacher" / "adapter_model.safetensors").read_bytes()
+    teacher_rate = read_train_log(tmp_path / "teacher")[-1]["success_rate"]
+    train_adapter_mixture(tiny_model_dir, src, cfg.model_copy(update={"iterations": 10}), tmp_path / "student",
+                          seed=2, ledger=RolloutLedger(tmp_path / "s.jsonl"), name="distilled",
+                          teachers={"pick": tmp_path / "teacher"})
+    rows = read_train_log(tmp_path / "student")
+    rate = [r["success_rate"] for r in rows]
+    assert (tmp_path / "teacher" / "adapter_model.safetensors").read_bytes() == before
+    assert all(isinstance(r["distill_kl"], float) and r["trained_tokens"] > 0 for r in rows)
+    assert teacher_rate >= 0.75 and sum(rate[-3:]) / 3 >= sum(rate[:2]) / 2 + 0.25, rate

@@ -286,6 +286,17 @@ class RewardConfig(Section):
         return self
 
 
+class DistillConfig(Section):
+    """Cross-skill distillation (the paper's unified adapter): after the capability adapters, one student
+    adapter is trained on-policy on the mixture of their synthetic environments, each episode scored token
+    by token by the adapter of the environment it came from (`training/trainer.py`: `DistillGRPOTrainer`)."""
+
+    iterations: int = Field(0, ge=0)
+    """Optimizer steps of groups x group_size student episodes each (0: no distillation)."""
+    learning_rate: float | None = Field(None, gt=0)
+    """None: `train.learning_rate`."""
+
+
 class TrainConfig(Section):
     """GRPO with one LoRA adapter per capability (stage `train`, paper §3.3)."""
 
@@ -348,6 +359,8 @@ class TrainConfig(Section):
     'grpo_target' (GRPO on the target's train tasks) and 'merged_data' (one adapter on the mixture of
     all synthetic environments, weighted by `mixture`). Empty on the CPU default: each costs as much
     training as all capability adapters together."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """The distilled student (`data/adapters/_baselines/distilled/`), evaluated as the `distilled` method."""
     shared_prompt: bool = True
     """Compute each group's prompt once per loss pass, score only the agent's tokens
     (training/shared_prompt.py); False: TRL's own pass over every row (with activation checkpointing)."""
@@ -377,9 +390,10 @@ class TrainConfig(Section):
         return self
 
 
-MethodName = Literal["base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route", "trace"]
+MethodName = Literal["base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route", "trace",
+                     "distilled"]
 METHODS: tuple[str, ...] = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route",
-                            "trace")
+                            "trace", "distilled")
 class EvaluateConfig(Section):
     """Router + adapters on the held-out split; baselines at equal rollout budget (stage `evaluate`, paper §4)."""
 
@@ -507,14 +521,16 @@ PROFILES: dict[str, dict[str, Any]] = {
         # bf16 base weights (LoRA weights stay fp32): the shared-prompt pass is ~2x faster than in fp32
         # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
         # default's ~30 minutes (2026-11-26)
+        # the distilled student: 2 iterations (16 rollouts) on the synthetic mixture, its capability adapters teaching
         "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16",
-                  "baselines": ["grpo_target", "merged_data"]},
+                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}},
         # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
         # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
         # router chosen on the train split (agreement with the task tags, 2026-11-25 run): calibrated 0.50,
         # knn 0.21, logits 0.00 (raw label logits sent every task to "none")
         "evaluate": {"methods": ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
-                                 "trace"], "route_mode": "argmax", "interference_seeds": 2, "router": "calibrated"},
+                                 "trace", "distilled"], "route_mode": "argmax", "interference_seeds": 2,
+                     "router": "calibrated"},
         # budget points: TRACE's base, iteration-1 and final adapters (0, 44, 60 rollouts); GRPO on target at
         # 0, 16, 32, 40 and 56. Each point decodes the 14 test tasks again (~75 s) unless its snapshot is
         # still the base model; every one of GRPO's 7 snapshots took 9 min (2026-11-26)
@@ -533,7 +549,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "synthesize": {"difficulty": 0, "validation": {"band": False}},
         "train": {"iterations": 10, "groups": 8, "group_size": 8, "temperature": 0.8, "learning_rate": 2e-4,
                   "dtype": "bfloat16", "hint_fraction": 0.5, "save_every": 2,
-                  "baselines": ["grpo_target", "merged_data"]},
+                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 4}},
         "evaluate": {"route_mode": "both", "interference_seeds": 2, "router": "calibrated"},
     },
     "paper": {
@@ -545,7 +561,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "train": {"lora_rank": 16, "lora_alpha": 32, "learning_rate": 1e-5, "iterations": 40, "groups": 64,
                   "group_size": 16, "temperature": 1.0, "max_new_tokens": 512, "max_steps_per_episode": 30,
                   "constrained": False, "tool_choice": "auto", "tool_result_tokens": 1024,
-                  "baselines": ["grpo_target", "merged_data"], "save_every": 5},
+                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 10}, "save_every": 5},
     },
 }
 

@@ -6,7 +6,8 @@ Reads (all optional — a missing piece turns the rows that need it into 'not ru
                                            kept capability (train stage)
     data/adapters/_baselines/<name>/       the same for the baselines `grpo_target` (GRPO on the
                                            target's train tasks) and `merged_data` (one adapter on
-                                           the mixture of all synthetic environments)
+                                           the mixture of all synthetic environments), and the
+                                           distilled student `distilled`
     data/train/[_baselines/]<name>/rollouts.jsonl
                                            the rollout ledger of each adapter (`Paths.train_ledger`); when it
                                            is missing the manifest's `rollouts_used` is used instead
@@ -37,8 +38,11 @@ from trace_lib.paths import Paths
 from trace_lib.records import AdapterManifest, Capability, Trajectory
 from trace_lib.training.budget import total_rollouts
 
-BASELINES = ("grpo_target", "merged_data")
-"""Baseline adapters the evaluate stage looks for under data/adapters/_baselines/."""
+DISTILLED = "distilled"
+"""The student of cross-skill distillation (train stage, `train.distill`); it lives beside the baselines."""
+BASELINES = ("grpo_target", "merged_data", DISTILLED)
+"""Adapters the evaluate stage looks for under data/adapters/_baselines/ (the distilled student among them:
+one adapter for every task, trained after the capability adapters)."""
 RETRIEVAL_EXAMPLES = 8
 """Synthetic training tasks per capability whose openings the retrieval index holds."""
 

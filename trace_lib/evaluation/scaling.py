@@ -134,6 +134,7 @@ ABLATIONS: tuple[tuple[str, str, str, str], ...] = (
     ("trace_top_p", "routing", "top-p routing", "this:trace_top_p"),
     ("oracle_route", "routing", "oracle routing (task tags)", "this:oracle_route"),
     ("linear_merge", "no routing", "linear merge of the adapters", "this:linear_merge"),
+    ("distilled", "no routing", "one adapter distilled from the capability adapters", "this:distilled"),
     ("base", "no training", "base model", "this:base"),
     ("no_filter", "no contrastive filter", "adapters for every discovered capability", "run:no_filter"),
     ("no_synthesis", "no synthesis", "adapters trained on the target's tasks of their capability", "run:no_synthesis"),

@@ -22,9 +22,10 @@ from trace_lib.records import EvalResult, Task, Trajectory
 from trace_lib.stats import compare, group_rows, rate_row
 
 TABLE1_ORDER = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single_best", "single", "trace_argmax",
-                "trace_top_p")
+                "trace_top_p", "distilled")
 """Row order of Table 1; 'single' stands for every single-capability row after the best one."""
-ROUTING_ROWS = ("trace_argmax", "trace_top_p", "oracle_route", "linear_merge", "merged_data", "single_best")
+ROUTING_ROWS = ("trace_argmax", "trace_top_p", "oracle_route", "linear_merge", "merged_data", "distilled",
+                "single_best")
 EMPTY = "—"
 
 
@@ -57,12 +58,17 @@ TRACE_ROWS = ("trace_argmax", "trace_top_p")
 """TRACE's rows; the first that ran is the one every other method is compared with (`trace_vs`)."""
 
 
+def trace_run(runs: Sequence[MethodRun]) -> MethodRun | None:
+    """The first of TRACE's rows (`TRACE_ROWS` order) that ran: the one other methods are compared with."""
+    return next((r for key in TRACE_ROWS for r in runs if r.key == key and r.ran), None)
+
+
 def summarize_runs(runs: Sequence[MethodRun], n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> None:
     """Fill each run's `summary`: overall row, per-family rows, the paired comparison with base
     (`vs_base`: the method − base) and, for every method but TRACE's rows, with TRACE (`trace_vs`:
     TRACE − the method, and which TRACE row)."""
     base = next((r for r in runs if r.key == "base" and r.ran), None)
-    trace = next((r for key in TRACE_ROWS for r in runs if r.key == key and r.ran), None)
+    trace = trace_run(runs)
     for r in runs:
         if not r.ran:
             continue
@@ -114,6 +120,11 @@ def diff_cell(vs: dict[str, Any] | None) -> str:
     if not vs or not vs.get("n"):
         return EMPTY
     return f"{100 * vs['diff']:+.1f} [{100 * vs['ci_low']:+.1f}, {100 * vs['ci_high']:+.1f}]"
+
+
+def mcnemar_cell(vs: dict[str, Any] | None) -> str:
+    """The exact McNemar p of a paired comparison (`stats.compare`), or a dash."""
+    return f"{vs['mcnemar']['p_value']:.3g}" if vs else EMPTY
 
 
 def budget_cells(r: MethodRun, trace_total: int) -> tuple[str, str]:
@@ -191,7 +202,7 @@ def routing_table(runs: Sequence[MethodRun], trace_total: int) -> pd.DataFrame:
         vs = r.summary.get("vs_base") if r.ran else None
         rows.append({"method": r.label, "overall": pct_cell(r.summary["overall"]) if r.ran else "not run",
                      "Δ vs base (pp)": diff_cell(vs),
-                     "McNemar p": f"{vs['mcnemar']['p_value']:.3g}" if vs else EMPTY,
+                     "McNemar p": mcnemar_cell(vs),
                      "rollouts": budget_cells(r, trace_total)[0],
                      "note": f"not run: {r.reason}" if not r.ran else r.note})
     return pd.DataFrame(rows, columns=["method", "overall", "Δ vs base (pp)", "McNemar p", "rollouts", "note"])
@@ -207,9 +218,9 @@ def paired_table(runs: Sequence[MethodRun]) -> pd.DataFrame:
             continue
         vs, tv = r.summary.get("vs_base"), r.summary.get("trace_vs")
         rows.append({"method": r.label, "method − base (pp)": diff_cell(vs),
-                     "McNemar p (vs base)": f"{vs['mcnemar']['p_value']:.3g}" if vs else EMPTY,
+                     "McNemar p (vs base)": mcnemar_cell(vs),
                      "TRACE − method (pp)": diff_cell(tv),
-                     "McNemar p (TRACE vs method)": f"{tv['mcnemar']['p_value']:.3g}" if tv else EMPTY,
+                     "McNemar p (TRACE vs method)": mcnemar_cell(tv),
                      "rollouts": EMPTY if r.budget is None else str(r.budget)})
     return pd.DataFrame(rows, columns=["method", "method − base (pp)", "McNemar p (vs base)", "TRACE − method (pp)",
                                        "McNemar p (TRACE vs method)", "rollouts"])

@@ -24,6 +24,8 @@ Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis
     oracle_route   each task routed by its known capability tags (built-in families only)
     trace          the base model routes each task: `argmax` (one adapter or none) and/or `top_p`
                    (α-weighted merge, `compose.apply_route`)
+    distilled      one student adapter distilled on-policy from the capability adapters (`train.distill`,
+                   the paper's unified adapter) on every task; its budget is TRACE's plus its own
 
 Running a method is `trace_lib.evaluation.runner`; the tables are `trace_lib.evaluation.tables`.
 """
@@ -60,7 +62,6 @@ from trace_lib.evaluation.runner import (
 )
 from trace_lib.evaluation.tables import (
     TABLE1_ORDER,
-    TRACE_ROWS,
     MethodRun,
     capability_table,
     eval_results,
@@ -75,6 +76,7 @@ from trace_lib.evaluation.tables import (
     summarize_runs,
     table1,
     table1_long,
+    trace_run,
 )
 from trace_lib.io import atomic_write_text, read_jsonl, write_json, write_jsonl
 from trace_lib.paths import Paths
@@ -165,6 +167,13 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     add("oracle_route", "oracle_route", "oracle routing (task tags)",
         no_caps or (None if any(t.capability_tags for t in tasks) else "the tasks carry no capability tags"),
         lambda e, ts: oracle_decisions(ts, names), **trace)
+    if inputs.DISTILLED in baselines:  # TRACE's budget and the student's own episodes
+        n, src = inputs.adapter_budget(root, inputs.DISTILLED, baseline=True)
+        add("distilled", "distilled", "TRACE distilled (one adapter)", routing_for=lambda e, ts: inputs.DISTILLED,
+            budget_n=budget["total"] + n, source=f"TRACE adapters + {src}")
+    else:
+        add("distilled", "distilled", "TRACE distilled (one adapter)",
+            no_caps or f"no adapter at {paths.adapter(inputs.DISTILLED, True).relative_to(root)} (train.distill)")
     quality: dict[str, Any] = {}
     routers: dict[str, dict[str, Any]] = {}
     interference: list[dict[str, Any]] = []
@@ -297,7 +306,7 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
                     "reward is the mean score (the milestone similarity), also over tasks.")
     caption += "\n\n"
     paired = ("\n## Paired tests\n\nEach method against the base model, and "
-              + next((r.label for k in TRACE_ROWS for r in runs if r.key == k and r.ran), "TRACE (not run)")
+              + getattr(trace_run(runs), "label", "TRACE (not run)")
               + " against each method, on the same tasks: difference in points with its "
               f"{cfg.ci_level:.0%} bootstrap interval over tasks, exact McNemar p over (task, sample) pairs.\n\n"
               + markdown(paired_table(runs)))

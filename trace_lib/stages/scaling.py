@@ -158,8 +158,8 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
 
 
 def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
-                   base: Sequence[Trajectory], progress: bool, same_as_base: list[str] | None = None,
-                   decoded: list[int] | None = None) -> dict[int, list[Trajectory]]:
+                   base: Sequence[Trajectory], progress: bool, same_as_base: list[str],
+                   decoded: list[int]) -> dict[int, list[Trajectory]]:
     """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots.
 
     A snapshot that is the base model (`adapter_is_identity`) is left out of a task's weights (its
@@ -169,8 +169,7 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
     ecfg = params.evaluate
     snapshots = {snapshot_name(p, c): s.path for p in todo for c, s in p["adapters"].items()}
     identity = {name for name, path in snapshots.items() if adapter_is_identity(path)}
-    if same_as_base is not None:
-        same_as_base += sorted(identity)
+    same_as_base += sorted(identity)
     adapters = {name: str(path) for name, path in snapshots.items() if name not in identity}
     policy = open_policy(params, Path(params.model.out_dir), adapters, threads=params.rollout.threads)
     rcfg = eval_rollout_config(params.rollout, ecfg)
@@ -187,7 +186,7 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
     for p in todo:
         routing = {task: {a: x for a, x in w.items() if a not in identity}
                    for task, w in point_routing(choices, p).items()}
-        if decoded is not None and any(routing.values()):
+        if any(routing.values()):
             decoded.append(p["iteration"])
         trajs: list[Trajectory] = []
         for env_cfg, tasks in targets:

@@ -11,6 +11,8 @@ band-check ledger (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
     data/adapters/_baselines/<name>/     `train.baselines` at TRACE's total rollout budget: grpo_target
                                          (GRPO on the target's train tasks), merged_data (one adapter on
                                          the mixture of every synthetic environment)
+    data/adapters/_baselines/distilled/  the student distilled from the capability adapters (`train.distill`,
+                                         cross-skill distillation: TRACE's unified adapter, not a baseline)
     data/adapters/manifests.jsonl        every AdapterManifest of this run
     data/train/[_baselines/]<name>/rollouts.jsonl
                                          each adapter's rollout ledger
@@ -35,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from trace_lib.agent.model import numerics
-from trace_lib.config import Params
+from trace_lib.config import Params, TrainConfig
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks, task_payload
-from trace_lib.evaluation.inputs import trace_budget
+from trace_lib.evaluation.inputs import DISTILLED, trace_budget
 from trace_lib.io import dumps_json, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.plots.train import write_train_csvs
@@ -91,6 +93,12 @@ def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weig
                        lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train"),
                        weight, hint=lambda task: hint_from_steps(_solution(box, task)),
                        reference=lambda task: _solution(box, task))
+
+
+def distill_config(cfg: TrainConfig) -> TrainConfig:
+    """The student's training settings (`train.distill`): on-policy, so no hint swap and no late start."""
+    return cfg.model_copy(update={"iterations": cfg.distill.iterations, "rollout_budget": None, "hint_fraction": 0.0,
+                                  "start_late": 0.0, "learning_rate": cfg.distill.learning_rate or cfg.learning_rate})
 
 
 def _resume_key(params: Params) -> str:
@@ -148,6 +156,17 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 model_dir, baselines[name](), bcfg, out_dir, seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(name, baseline=True)), name=name, progress=progress,
                 ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], **resume))
+        if cfg.distill.iterations:
+            if len(envs) < 2:
+                skipped[DISTILLED] = f"needs two or more capability adapters to distil, have {len(envs)}"
+            else:
+                timing[DISTILLED] = paths.train_timing(DISTILLED, baseline=True)
+                manifests.append(train_adapter_mixture(
+                    model_dir, baselines["merged_data"](), distill_config(cfg), paths.adapter(DISTILLED, True),
+                    seed=params.seed, ledger=RolloutLedger(paths.train_ledger(DISTILLED, baseline=True)),
+                    name=DISTILLED, progress=progress, ckpt_dir=paths.checkpoint(DISTILLED, baseline=True),
+                    timing_path=timing[DISTILLED], teachers={m.capability_id: paths.adapter(m.capability_id)
+                                                             for m in envs}, **resume))
     if rank > 0:  # process 0 writes the stage's outputs
         return {}
     write_jsonl(paths.adapter_manifests, manifests)

@@ -52,7 +52,7 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ from trace_lib.training.grpo import (
     AgentRollout,
     TrainSource,
     drop_masked_rows,
+    loss_mask,
     prompt_key,
     trajectory_reward,
 )
@@ -89,6 +90,11 @@ LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "too
             "l_t", "completion_tokens", "completion_length", "trained_tokens", "hinted", "success_rate_unhinted",
             "success_rate_hinted", "env_score", "rubric", "preplayed_steps")
 """Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
+EXTRA_LOG_KEYS = ("distill_kl",)
+"""Statistics only some trainings have. Distillation: `distill_kl`, the mean log π_student − log π_teacher of
+the trained tokens before the step (the authors log its negative as `gap`): a sample of the reverse KL when the
+student samples freely, which falls as the student matches its teachers; under grammar-constrained sampling the
+tokens come from the masked distribution, so it can be negative."""
 TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
             "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
 
@@ -138,9 +144,15 @@ def stable_target_modules(model: Any) -> None:
             peft_cfg.target_modules = sorted(peft_cfg.target_modules)
 
 
+def _train_dtype(cfg: TrainConfig) -> str:
+    """The base weights' dtype while training (`train.dtype`; 'auto': bfloat16 on CUDA, float32 on CPU)."""
+    import torch
+
+    return cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
     """(Policy over the LoRA-wrapped model, base model id); the adapter is named 'default'."""
-    import torch
     from transformers import set_seed
 
     from trace_lib.agent.policy import Policy, load_policy, resolve_model_path
@@ -166,8 +178,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
         return policy, base_id
     from peft import get_peft_model
 
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
-    policy = load_policy(model_dir, dtype=dtype)
+    policy = load_policy(model_dir, dtype=_train_dtype(cfg))
     policy.model = get_peft_model(policy.model, lora_config(cfg, policy.model))
     stable_target_modules(policy.model)
     policy.set_adapter("default")  # generate with the adapter being trained, not the base model
@@ -247,6 +258,69 @@ class AgentGRPOTrainer(GRPOTrainer):
         return logps, entropies, None
 
 
+class DistillRollout(AgentRollout):
+    """The student's episodes for distillation: every episode is trained (no group is dropped for equal
+    rewards: the signal is the teacher's, token by token); rewards are still scored, for the log."""
+
+    def _masks(self, episodes: list[Any]) -> tuple[list[list[int]], list[bool]]:
+        return [loss_mask(ep, self.cfg.filter_lookup_only) for ep in episodes], [False] * len(episodes)
+
+
+def distill_advantages(student: Any, teacher: Any, mask: Any) -> Any:
+    """Per-token advantages of on-policy distillation: log π_teacher(y_t) − log π_student(y_t) on the
+    trained tokens, 0 elsewhere (rows x completion width). With one update per batch TRL's ratio is 1 and
+    its loss is −Σ A_t log π_student(y_t): a policy gradient whose per-token reward is the negative
+    reverse-KL sample, which raises the student's tokens the teacher prefers and lowers the others."""
+    return (teacher - student) * mask
+
+
+class DistillGRPOTrainer(AgentGRPOTrainer):
+    """On-policy distillation of several teachers into one student, on TRL's GRPO machinery.
+
+    The student plays the episodes (`DistillRollout`); each episode's tokens are then scored by the teacher
+    of the source it came from (`teachers`: a Policy holding one adapter per source) and by the student,
+    both with no gradient, and the group-normalised reward advantages TRL computed are replaced by the
+    per-token `distill_advantages` (TRL's loss takes advantages of shape rows x tokens). Everything else
+    (optimizer, checkpoints, resume, ledger, snapshots) is the GRPO trainer's. The authors' code does the
+    same with one student episode per task (their 'ppo_surrogate' loss); here the K episodes of a seed
+    share their prompt's pass. Teacher and student log-probs are the models' own (temperature 1).
+    """
+
+    teachers: Any = None
+
+    def _generate_and_score_completions(self, inputs):
+        import torch
+
+        out = super()._generate_and_score_completions(inputs)
+        episodes = self.rollout_func.last
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        keep = out["completion_ids"].shape[1]
+        mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+        if len(episodes) != ids.shape[0]:
+            raise RuntimeError(f"{len(episodes)} episodes for {ids.shape[0]} rows: cannot pair them with teachers")
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                student = grouped_logps(model, ids, attention, keep, mask)[0]
+                teacher = torch.zeros_like(student)
+                for source in sorted({ep.source for ep in episodes}):
+                    rows = torch.tensor([i for i, ep in enumerate(episodes) if ep.source == source],
+                                        device=ids.device)
+                    self.teachers.set_adapter(source)
+                    teacher[rows] = grouped_logps(self.teachers.model, ids[rows], attention[rows], keep,
+                                                  mask[rows])[0].to(teacher.device)
+        finally:
+            model.train(was_training)
+        out["advantages"] = distill_advantages(student, teacher, mask.to(student.dtype))
+        n = float(mask.sum())
+        kl = float(((student - teacher) * mask).sum()) / n if n else None
+        self.rollout_func.stats.setdefault(int(self.state.global_step), {})["distill_kl"] = kl
+        return out
+
+
 class TraceCallback(TrainerCallback):
     """Builds train_log rows from TRL's metrics + our rollout stats; saves our state with checkpoints."""
 
@@ -269,6 +343,7 @@ class TraceCallback(TrainerCallback):
         stats = self.rollout.stats.get(state.global_step - 1, {})
         row: dict[str, Any] = {"iteration": state.global_step}
         row.update({k: stats.get(k) for k in LOG_KEYS})
+        row.update({k: stats[k] for k in EXTRA_LOG_KEYS if k in stats})
         row.update({k: logs.get(src) for k, src in TRL_KEYS.items()})
         row["rollouts"] = self.rollouts_used()
         self.run["log"].append({k: _round(v) for k, v in row.items()})
@@ -343,14 +418,17 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
 def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: TrainConfig, out_dir: Path, *,
                           seed: int, ledger: RolloutLedger, name: str, progress: bool = False,
                           env_sha256: str = "", ckpt_dir: Path | None = None, resume_key: str = "",
-                          keep_checkpoints: bool = False, timing_path: Path | None = None) -> AdapterManifest:
+                          keep_checkpoints: bool = False, timing_path: Path | None = None,
+                          teachers: Mapping[str, Path] | None = None) -> AdapterManifest:
     """Train one LoRA adapter with GRPO on one or more environments (see the module docstring for the
     outputs); with several, each group's source is drawn with the sources' weights.
 
     `ckpt_dir` (default `out_dir.parent/.<name>.ckpt`) holds the checkpoints a restarted run resumes
     from; `resume_key` is anything else they are only valid under (the caller's config); with
     `keep_checkpoints` they stay after the adapter is written, for the caller to delete. `timing_path`
-    receives the wall times (module docstring)."""
+    receives the wall times (module docstring). With `teachers` (source name -> adapter folder, one per
+    source) the adapter is a student distilled from them on-policy (`DistillGRPOTrainer`) instead of
+    trained on rewards."""
     if len({s.name for s in sources}) != len(sources) or not sources:
         raise ValueError(f"need one or more sources with distinct names, got {[s.name for s in sources]}")
     if any(":" in s.name for s in sources):
@@ -370,6 +448,13 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     ckpt_root = Path(ckpt_dir) if ckpt_dir is not None else out_dir.parent / f".{name}.ckpt"
     if ckpt_root.resolve().is_relative_to(out_dir.resolve()):
         raise ValueError(f"the checkpoints {ckpt_root} must live outside out_dir {out_dir} (out_dir is replaced whole)")
+    if teachers is not None and sorted(teachers) != sorted(s.name for s in sources):
+        raise ValueError(f"distillation needs one teacher per source: teachers {sorted(teachers)}, "
+                         f"sources {sorted(s.name for s in sources)}")
+    if teachers is not None:  # a checkpoint is only valid for the teachers it was distilled from
+        from trace_lib.agent.adapters import adapter_digest
+
+        resume_key += "|teachers:" + adapter_digest(teachers, dict.fromkeys(teachers, 1.0))
     fingerprint = _fingerprint(cfg, sources, seed, env_sha256, resume_key)
     if rank == 0:  # process 0 decides (and deletes a stale folder) before the others read
         ckpt, state = _resume_state(ckpt_root, fingerprint)
@@ -391,7 +476,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     if state["reward"] is not None:
         reward.load_state_dict(state["reward"])
     run: dict[str, Any] = {"log": list(state["log"]), "timing": list(state["timing"])}
-    rollout = AgentRollout(policy, sources, cfg, reward, lambda n: ledger.add(STAGE, n, key=name), seed)
+    rollout = (DistillRollout if teachers is not None else AgentRollout)(
+        policy, sources, cfg, reward, lambda n: ledger.add(STAGE, n, key=name), seed)
 
     def save_state(folder: Path, iteration: int) -> None:
         if rank > 0:  # process 0 writes the checkpoint's trace state and snapshot
@@ -404,7 +490,13 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
                                          "fingerprint": fingerprint})
 
     callback = TraceCallback(rollout, run, lambda: ledger.used(STAGE, name), save_state)
-    trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress, size)
+    trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress, size,
+                            DistillGRPOTrainer if teachers is not None else AgentGRPOTrainer)
+    if teachers is not None:
+        from trace_lib.agent.policy import load_policy
+
+        trainer.teachers = load_policy(model_dir, dtype=_train_dtype(cfg),
+                                       adapters={k: str(v) for k, v in teachers.items()}, device=str(policy.device))
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
 
     manifest = AdapterManifest(
@@ -461,7 +553,8 @@ def _micro_batch(cfg: TrainConfig, processes: int = 1) -> int:
 
 
 def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, callback, ckpt_root: Path,
-                  iterations: int, seed: int, progress: bool, processes: int = 1) -> AgentGRPOTrainer:
+                  iterations: int, seed: int, progress: bool, processes: int = 1,
+                  trainer_cls: type[AgentGRPOTrainer] | None = None) -> AgentGRPOTrainer:
     """TRL's GRPOTrainer set up for one optimizer step per G x K episodes (over all processes)."""
     import torch
 
@@ -484,7 +577,7 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
     )
     tok = policy.tokenizer
     tok.padding_side = "left"  # what TRL expects of its processing class; Policy pads by itself
-    trainer = AgentGRPOTrainer(model=policy.model, reward_funcs=[trajectory_reward], args=args,
+    trainer = (trainer_cls or AgentGRPOTrainer)(model=policy.model, reward_funcs=[trajectory_reward], args=args,
                                train_dataset=train_dataset(sources, cfg, seed), processing_class=tok,
                                rollout_func=rollout, callbacks=[callback])
     trainer.shared_prompt = cfg.shared_prompt
