@@ -813,6 +813,7 @@ def test_distillation_scores_each_episode_with_the_teacher_of_its_source(tiny_mo
     assert sorted(set(sources)) == ["a", "b"]
     for row, source in enumerate(sources):
         assert torch.equal(advantages[row], {"a": 2.0, "b": 1.0}[source] * mask[row].float())
+    assert m.config["teachers"] == {k: v.as_posix() for k, v in teachers.items()} and m.config["teachers_digest"]
     row = read_train_log(tmp_path / "student")[0]
     assert row["frac_reward_zero_std"] == 0.0 and row["trained_tokens"] > 0 and m.rollouts_used == 8
     kl = -float((advantages * mask).sum() / mask.sum())
@@ -822,6 +823,17 @@ def test_distillation_scores_each_episode_with_the_teacher_of_its_source(tiny_mo
     with pytest.raises(ValueError, match="one teacher per source"):
         train_adapter_mixture(tiny_model_dir, srcs, cfg, tmp_path / "other", seed=0, ledger=ledger, name="other",
                               teachers={"a": teachers["a"]})
+
+
+def test_the_student_samples_at_temperature_one_and_trains_every_turn():
+    from trace_lib.stages.train import distill_config
+
+    cfg = TrainConfig(temperature=0.8, hint_fraction=0.5, start_late=0.5, learning_rate=5e-4, iterations=7,
+                      distill={"iterations": 2, "learning_rate": 1e-4})
+    d = distill_config(cfg)
+    assert (d.iterations, d.learning_rate, d.temperature, d.hint_fraction, d.start_late, d.filter_lookup_only) == (
+        2, 1e-4, 1.0, 0.0, 0.0, False)
+    assert distill_config(TrainConfig(learning_rate=5e-4, distill={"iterations": 1})).learning_rate == 5e-4
 
 
 def test_a_student_distilled_from_a_trained_teacher_learns_its_choice(tiny_model_dir, tmp_path):

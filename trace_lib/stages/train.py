@@ -96,9 +96,12 @@ def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weig
 
 
 def distill_config(cfg: TrainConfig) -> TrainConfig:
-    """The student's training settings (`train.distill`): on-policy, so no hint swap and no late start."""
+    """The student's training settings (`train.distill`): on-policy at temperature 1 (the distributions both
+    log-prob passes score), so no hint swap and no late start, and every agent turn is trained (a lookup
+    the teacher makes is part of what it teaches)."""
     return cfg.model_copy(update={"iterations": cfg.distill.iterations, "rollout_budget": None, "hint_fraction": 0.0,
-                                  "start_late": 0.0, "learning_rate": cfg.distill.learning_rate or cfg.learning_rate})
+                                  "start_late": 0.0, "learning_rate": cfg.distill.learning_rate or cfg.learning_rate,
+                                  "temperature": 1.0, "filter_lookup_only": False})
 
 
 def _resume_key(params: Params) -> str:

@@ -92,9 +92,9 @@ LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "too
 """Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
 EXTRA_LOG_KEYS = ("distill_kl",)
 """Statistics only some trainings have. Distillation: `distill_kl`, the mean log π_student − log π_teacher of
-the trained tokens before the step (the authors log its negative as `gap`): a sample of the reverse KL when the
-student samples freely, which falls as the student matches its teachers; under grammar-constrained sampling the
-tokens come from the masked distribution, so it can be negative."""
+the trained tokens before the step (the authors log its negative as `gap`): a sample of the reverse KL (the
+student samples at temperature 1), which falls as the student matches its teachers; under grammar-constrained
+sampling the tokens come from the masked distribution, so it can be negative."""
 TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
             "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
 
@@ -310,14 +310,17 @@ class DistillGRPOTrainer(AgentGRPOTrainer):
                     rows = torch.tensor([i for i, ep in enumerate(episodes) if ep.source == source],
                                         device=ids.device)
                     self.teachers.set_adapter(source)
+                    self.teachers.model.requires_grad_(False)  # PEFT's set_adapter marks the active one trainable
                     teacher[rows] = grouped_logps(self.teachers.model, ids[rows], attention[rows], keep,
                                                   mask[rows])[0].to(teacher.device)
         finally:
             model.train(was_training)
         out["advantages"] = distill_advantages(student, teacher, mask.to(student.dtype))
-        n = float(mask.sum())
-        kl = float(((student - teacher) * mask).sum()) / n if n else None
-        self.rollout_func.stats.setdefault(int(self.state.global_step), {})["distill_kl"] = kl
+        # every process's rows: the log is the same on each (training/distributed.py)
+        parts = distributed.gather([(float(((student - teacher) * mask).sum()), float(mask.sum()))])
+        n = sum(c for _, c in parts)
+        self.rollout_func.stats.setdefault(int(self.state.global_step), {})["distill_kl"] = (
+            sum(s for s, _ in parts) / n if n else None)
         return out
 
 
@@ -374,7 +377,9 @@ def _round(v: Any) -> Any:
 def _fingerprint(cfg: TrainConfig, sources: Sequence[TrainSource], seed: int, env_sha256: str,
                  resume_key: str) -> str:
     """What a checkpoint is only valid under: the train config, seed, sources and the caller's key."""
-    what = {"train": cfg.model_dump(mode="json"), "seed": seed, "sources": {s.name: s.weight for s in sources},
+    # what trains after this adapter (baselines, the distilled student) does not change it
+    train = cfg.model_dump(mode="json", exclude={"baselines", "distill"})
+    what = {"train": train, "seed": seed, "sources": {s.name: s.weight for s in sources},
             "env_sha256": env_sha256, "resume_key": resume_key}
     return hashlib.sha256(dumps_json(what).encode("utf-8")).hexdigest()
 
@@ -497,6 +502,9 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
 
         trainer.teachers = load_policy(model_dir, dtype=_train_dtype(cfg),
                                        adapters={k: str(v) for k, v in teachers.items()}, device=str(policy.device))
+        # a second copy of the base model (on every process): PEFT saves every adapter a model holds, so teachers
+        # loaded into the student would end up in its checkpoints
+        trainer.teachers.model.requires_grad_(False)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
 
     manifest = AdapterManifest(
@@ -504,7 +512,9 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         rollouts_used=ledger.used(STAGE, name), iterations=len(run["log"]),
         final_reward=run["log"][-1]["reward"] if run["log"] else None,
         config={"train": cfg.model_dump(mode="json"), "seed": seed,
-                "sources": {s.name: s.weight for s in sources}, "budget": budget},
+                "sources": {s.name: s.weight for s in sources}, "budget": budget,
+                **({"teachers": {k: Path(v).as_posix() for k, v in sorted(teachers.items())},
+                    "teachers_digest": resume_key.rsplit("|teachers:", 1)[1]} if teachers is not None else {})},
     )
     if rank > 0:  # the weights are process 0's (the same on every process); it writes the adapter
         distributed.barrier()
