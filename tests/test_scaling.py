@@ -31,20 +31,24 @@ def snap(cap: str, k: int, n: int) -> Snapshot:
 def test_budget_points_every_snapshot_then_final():
     snaps = {"a": [snap("a", 1, 8), snap("a", 2, 16)], "b": [snap("b", 1, 8), snap("b", 2, 16)]}
     points = budget_points(snaps, {"a": 24, "b": 24}, extra=4)
-    assert [(p["total"], p["iteration"]) for p in points] == [(0, 0), (20, 1), (36, 2), (52, None)]
-    assert points[1]["adapters"]["a"].rollouts == 8 and points[-1]["adapters"] == {"a": "final", "b": "final"}
+    # one adapter's next snapshot at a time, in turn: between two rounds, "a" is one snapshot ahead
+    assert [(p["total"], p["iteration"]) for p in points] == [
+        (0, 0), (12, "a 1, b 0"), (20, 1), (28, "a 2, b 1"), (36, 2), (44, "a final, b 2"), (52, None)]
+    assert points[1]["adapters"] == {"a": snaps["a"][0], "b": None}
+    assert points[3]["adapters"]["a"].rollouts == 16 and points[-1]["adapters"] == {"a": "final", "b": "final"}
     # requested budgets take the largest point that fits; duplicates merge; below the first point: base
     picked = budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[10, 19, 40, 1000])
-    assert [p["total"] for p in picked] == [0, 36, 52]
+    assert [p["total"] for p in picked] == [0, 12, 36, 52]
     above = budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[40, 60])
     assert [p["total"] for p in above] == [0, 36, 52]  # the base model is drawn even when no budget is below 20
     # ... and the final adapters (the evaluate stage's row) even when every budget is below them
     assert [p["total"] for p in budget_points(snaps, {"a": 24, "b": 24}, extra=64, budgets=[16, 32, 44, 60])] == [
         0, 112]
     assert [p["total"] for p in budget_points(snaps, {"a": 24, "b": 24}, extra=4, budgets=[])] == [0, 52]
-    # an iteration one adapter lacks is no point
-    uneven = budget_points({"a": [snap("a", 1, 8)], "b": []}, {"a": 16, "b": 16})
-    assert [p["total"] for p in uneven] == [0, 32]
+    # adapters with fewer snapshots reach their final adapter sooner; a snapshot with the final's rollouts
+    # is the final adapter, and a step that spends nothing is no point of its own
+    uneven = budget_points({"a": [snap("a", 1, 8), snap("a", 2, 16)], "b": [snap("b", 1, 0)]}, {"a": 16, "b": 16})
+    assert [(p["total"], p["iteration"]) for p in uneven] == [(0, 0), (8, 1), (16, "a final, b 1"), (32, None)]
     assert budget_points({}, {}) == [{"total": 0, "iteration": 0, "adapters": {}}]
 
 
@@ -58,7 +62,11 @@ def test_point_routing_renames_adapters_and_keeps_none():
     assert choices == {"t1": ["a"], "t2": []}
     assert point_routing(choices, points[0]) == {"t1": {}, "t2": {}}
     assert point_routing(choices, points[1]) == {"t1": {"a@iter-1": 1.0}, "t2": {}}
-    assert point_routing(choices, points[2]) == {"t1": {"a": 1.0}, "t2": {}}
+    assert point_routing(choices, points[2]) == {"t1": {"a@iter-1": 1.0}, "t2": {}}  # b advanced: a unchanged
+    assert point_routing(choices, points[3]) == {"t1": {"a": 1.0}, "t2": {}}
+    b_first = budget_points({"a": [snap("a", 1, 8)], "b": [snap("b", 1, 8)]}, {"a": 16, "b": 16})
+    b_first[1]["adapters"] = {"a": None, "b": snap("b", 1, 8)}
+    assert point_routing(choices, b_first[1]) == {"t1": {}, "t2": {}}  # a not yet trained: the base model
 
 
 def test_find_snapshots_needs_config_and_meta(tmp_path):
@@ -131,15 +139,19 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
         server = {"policy": {"backend": "openai", "base_url": api.url, "served_model": tiny_model_dir.name,
                              "route_dir": str(tmp_path / "routes")},
                   "model": {"out_dir": "no/such/model"}} if backend == "openai" else {}
-        run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server)
+        routed = run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server)
     if backend == "openai":
         loaded = {b["lora_name"] for path, b in api.requests if path == "/v1/load_lora_adapter"}
-        assert {"precondition_verification@iter-1", "structured_data_reasoning@iter-1", "grpo_target@iter-2",
-                "grpo_target", "precondition_verification", "structured_data_reasoning"} <= loaded
+        assert {*(f"{c}@iter-1" for c in routed), "grpo_target@iter-2", "grpo_target", "precondition_verification",
+                "structured_data_reasoning"} <= loaded
         assert "grpo_target@iter-1" not in loaded  # B = 0: the base model, never loaded
+        # a snapshot no routed task runs on is not loaded either
+        unrouted = {"precondition_verification", "structured_data_reasoning"} - routed
+        assert not {f"{c}@iter-1" for c in unrouted} & loaded
 
 
-def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict) -> None:
+def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict) -> set[str]:
+    """The stages on two tasks; returns the capabilities the router sent a task to."""
     from trace_lib.stages.evaluate import run_evaluate
     from trace_lib.stages.scaling import run_scaling
 
@@ -172,7 +184,9 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
     run_evaluate(params, tmp_path, progress=False)
     metrics = run_scaling(params, tmp_path, progress=False)
     trace = [p for p in metrics["points"] if p["method"] == "TRACE"]
-    assert [(p["budget"], p["iteration"]) for p in trace] == [(0, 0), (8, 1), (16, None)]
+    pv, sdr = "precondition_verification", "structured_data_reasoning"
+    assert [(p["budget"], p["iteration"]) for p in trace] == [
+        (0, 0), (4, f"{pv} 1, {sdr} 0"), (8, 1), (12, f"{pv} final, {sdr} 1"), (16, None)]
     assert all(p["n"] == 2 for p in trace)
     final = json.loads((tmp_path / "reports" / "metrics" / "evaluate.json").read_text())["methods"]["trace_argmax"]
     assert trace[-1]["success_rate"] == final["overall"]["success_rate"]
@@ -190,9 +204,29 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
     mid = [json.loads(x) for x in (tmp_path / "data/scaling/trajectories/trace@8.jsonl").read_text().splitlines()]
     expect = {r["task_id"]: (f"{next(iter(r['weights']))}@iter-1" if r["weights"] else None) for r in routes}
     assert {m["task_id"]: m["adapter"] for m in mid} == expect
-    assert metrics["decoded_points"] == 2  # TRACE at 8 and GRPO at 9; GRPO at 6 is the base model's episodes
+    # staggered points: a task whose adapter is not yet trained runs as the base model did, a task on a
+    # final adapter as the evaluate stage's TRACE row did
+    by_task = {n: {m["task_id"]: m for m in episodes(n)} for n in
+               ("scaling/trajectories/trace@4", "scaling/trajectories/trace@12", "evaluate/trajectories/base",
+                "evaluate/trajectories/trace_argmax", "scaling/trajectories/trace@8")}
+    for r in routes:
+        cap, t = next(iter(r["weights"]), None), r["task_id"]
+        at4 = by_task["scaling/trajectories/trace@4"][t]
+        at12 = by_task["scaling/trajectories/trace@12"][t]
+        assert at4 == by_task["scaling/trajectories/trace@8" if cap == pv else "evaluate/trajectories/base"][t]
+        assert at12 == by_task["evaluate/trajectories/trace_argmax" if cap == pv else
+                               "scaling/trajectories/trace@8"][t]
+    assert metrics["decoded_points"] == len({next(iter(r["weights"]), None) for r in routes} - {None}) + 1
     table = (tmp_path / "reports" / "tables" / "scaling.md").read_text()
     assert "| TRACE | 8 | 1 |" in table and "| GRPO on target | 6 | 1 |" in table
     assert "not run" in table  # the GEPA row says why
     assert "ablation" in (tmp_path / "reports" / "tables" / "ablations.md").read_text()
     assert (tmp_path / "reports" / "figures" / "scaling.png").stat().st_size > 1000
+    routed = {next(iter(r["weights"])) for r in routes if r["weights"]}
+    # a task the router keeps on the base model: one episode per task at every point (the base model's
+    # and the final row's episodes of such a task are one memo entry, not two)
+    none = [{**r, "weights": {}} if i == 0 else r for i, r in enumerate(routes)]
+    (tmp_path / "data/evaluate/routes/trace_argmax.jsonl").write_text("".join(json.dumps(r) + "\n" for r in none))
+    again = run_scaling(params, tmp_path, progress=False)
+    assert all(p["n"] == 2 for p in again["points"] if p["method"] == "TRACE")
+    return routed

@@ -531,10 +531,12 @@ PROFILES: dict[str, dict[str, Any]] = {
         "evaluate": {"methods": ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
                                  "trace", "distilled"], "route_mode": "argmax", "interference_seeds": 2,
                      "router": "calibrated"},
-        # budget points: TRACE's base, iteration-1 and final adapters (0, 44, 60 rollouts); GRPO on target at
-        # 0, 16, 32, 40 and 56. Each point decodes the 14 test tasks again (~75 s) unless its snapshot is
-        # still the base model; every one of GRPO's 7 snapshots took 9 min (2026-11-26)
-        "scaling": {"budgets": [16, 32, 44, 60]},
+        # budget points: TRACE at 0, 36, 44, 52 and 60 rollouts (the base model; communicate_result's
+        # iteration-1 snapshot; both at iteration 1; communicate_result final; the final adapters), GRPO on
+        # target at 0, 16, 32, 40, 48 and 56. A point decodes the tasks whose adapter is at a snapshot no
+        # earlier point played (~5 s per task) unless that snapshot is still the base model; every one of
+        # GRPO's 7 snapshots took 9 min (2026-11-26)
+        "scaling": {"budgets": [16, 32, 36, 44, 52, 60]},
     },
     # SmolLM2-135M (the only real weights these machines have) on one GPU, at the budgets a plain GRPO loop
     # needed there to teach it a one-turn skill (320-640 rollouts, lr 2e-4-5e-4, hint swap): 640 rollouts per

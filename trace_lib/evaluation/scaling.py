@@ -5,8 +5,9 @@ snapshot.json {iteration, rollouts}, written by `trace_lib.training.trainer.keep
 ablation rows, the evaluate stage's episodes (`Paths.eval_episodes`) of this run or of another run named
 in `scaling.ablation_runs`; writes nothing (the stage is `stages/scaling.py`).
 
-Budgets are reused, not retrained: a point at budget B uses the newest snapshot of each adapter whose
-rollouts fit in B (`train.snapshots`, one per checkpoint, `train.save_every`), and the router's decisions
+Budgets are reused, not retrained: the points walk the adapters' snapshots (`train.snapshots`, one per
+checkpoint, `train.save_every`) one adapter at a time, round by round (`budget_points`), a point at budget B
+being the newest of them that fits in B, and the router's decisions
 are the evaluate stage's — the router is the base model, so its choice does not depend on the adapters'
 budget (`point_routing` renames each chosen adapter to that point's snapshot). Budget 0 is the base model
 and the last point is the final adapters.
@@ -57,22 +58,33 @@ def budget_points(snapshots: dict[str, list[Snapshot]], finals: dict[str, int], 
                   budgets: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """TRACE's budget points: {total, iteration, adapters: {cap: Snapshot | 'final' | None}}.
 
-    Point k uses every adapter's snapshot at iteration k (the last iteration: the final adapter).
-    `extra` rollouts (discovery on the target, the synthesize stage's band checks) count in every total
-    but 0. With `budgets`, each requested total takes the largest point that fits in it (duplicates
-    merged); without, every iteration is a point. Budget 0, the base model, is always the first point
-    and the final adapters (the evaluate stage's row) always the last, whatever `budgets` asks for.
+    The adapters advance in turn, one snapshot of one adapter at a time (adapters in name order): after
+    round k every adapter is at its k-th snapshot, and within a round the adapters before the one just
+    advanced are a snapshot ahead of those after it. An adapter not yet advanced is None: its tasks run
+    on the base model, as a task routed to "none" does. Every adapter's last step is its final adapter
+    (a snapshot with the final's rollouts is the final). `iteration` is 0 for the base model, None for
+    the final adapters, k where every adapter is at its iteration-k snapshot, and otherwise each
+    adapter's iteration named (`staggered_label`). `extra` rollouts (discovery on the target, the
+    synthesize stage's band checks) count in every total but 0. With `budgets`, each requested total
+    takes the largest point that fits in it (duplicates merged); without, every step is a point.
+    Budget 0, the base model, is always the first point and the final adapters (the evaluate stage's
+    row) always the last, whatever `budgets` asks for.
     """
-    iterations = sorted({s.iteration for ss in snapshots.values() for s in ss})
+    steps: dict[str, list[Snapshot | str]] = {
+        cap: [*(s for s in snapshots.get(cap, []) if s.rollouts < finals[cap]), "final"] for cap in sorted(finals)}
     points = [{"total": 0, "iteration": 0, "adapters": {}}]
-    for k in iterations:
-        chosen = {cap: next((s for s in snapshots.get(cap, []) if s.iteration == k), None) for cap in finals}
-        if all(chosen.values()):
-            points.append({"total": extra + sum(s.rollouts for s in chosen.values()), "iteration": k,
-                           "adapters": chosen})
-    last = {"total": extra + sum(finals.values()), "iteration": None, "adapters": dict.fromkeys(finals, "final")}
-    if finals and last["total"] > points[-1]["total"]:
-        points.append(last)
+    state: dict[str, Snapshot | str | None] = dict.fromkeys(sorted(finals))
+    for k in range(max(map(len, steps.values()), default=0)):
+        for cap, ladder in steps.items():
+            if k >= len(ladder):
+                continue
+            state[cap] = ladder[k]
+            total = extra + sum(_rollouts(s, finals[c]) for c, s in state.items())
+            point = {"total": total, "iteration": _iteration(state), "adapters": dict(state)}
+            if total > points[-1]["total"]:
+                points.append(point)
+            elif len(points) > 1:  # a step that spent nothing: the newer state stands for the point
+                points[-1] = point
     if budgets is None:
         return points
     picked: list[dict[str, Any]] = [points[0]]
@@ -85,6 +97,24 @@ def budget_points(snapshots: dict[str, list[Snapshot]], finals: dict[str, int], 
     return picked
 
 
+def _rollouts(step: Snapshot | str | None, final: int) -> int:
+    return 0 if step is None else final if step == "final" else step.rollouts
+
+
+def _iteration(state: dict[str, Snapshot | str | None]) -> int | str | None:
+    """A point's `iteration`: see `budget_points`."""
+    its = {cap: "final" if s == "final" else 0 if s is None else s.iteration for cap, s in state.items()}
+    if len(set(its.values())) == 1:
+        only = next(iter(its.values()))
+        return None if only == "final" else only
+    return staggered_label(its)
+
+
+def staggered_label(iterations: dict[str, int | str]) -> str:
+    """Each adapter's iteration at a point where they differ, e.g. 'a final, b 1' (0: not yet trained)."""
+    return ", ".join(f"{cap} {it}" for cap, it in sorted(iterations.items()))
+
+
 def routed_adapters(decisions: Sequence[Any]) -> dict[str, list[str]]:
     """Task id -> the adapters a router decision sends it to ([] = the base model)."""
     return {d.task_id: [c for c, a in sorted(d.weights.items()) if a] for d in decisions}
@@ -92,10 +122,8 @@ def routed_adapters(decisions: Sequence[Any]) -> dict[str, list[str]]:
 
 def point_routing(choices: dict[str, list[str]], point: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Task id -> weights at a budget point: each chosen adapter renamed to that point's snapshot."""
-    out = {}
-    for task_id, chosen in choices.items():
-        out[task_id] = {} if point["iteration"] == 0 else {snapshot_name(point, c): 1.0 for c in chosen}
-    return out
+    return {task_id: {snapshot_name(point, c): 1.0 for c in chosen if point["adapters"].get(c) is not None}
+            for task_id, chosen in choices.items()}
 
 
 def snapshot_name(point: dict[str, Any], cap: str) -> str:

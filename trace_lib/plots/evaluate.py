@@ -20,6 +20,9 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 
+TRACE_METHODS = ("trace", "distilled")
+
+
 def placeholder(text: str) -> plt.Figure:
     """A small figure that only says why there is nothing to draw (so every declared plot exists)."""
     fig, ax = plt.subplots(figsize=(5, 1.6))
@@ -38,7 +41,8 @@ def success_by_method(runs: Sequence[Any], title: str = "") -> plt.Figure:
             ax.text(0.01, i, "not run", va="center", fontsize=8, color="0.45")
             continue
         o = r.summary["overall"]
-        color = pal[2] if r.method == "trace" else pal[0] if r.key != "base" else "0.55"
+        # TRACE's rows (routed adapters, and the student distilled from them) apart from the baselines
+        color = pal[2] if r.method in TRACE_METHODS else pal[0] if r.key != "base" else "0.55"
         ax.barh(i, o["success_rate"], color=color,
                 xerr=[[o["success_rate"] - o["ci_low"]], [o["ci_high"] - o["success_rate"]]], capsize=3)
         ax.text(min(0.98, o["ci_high"] + 0.02), i, f"{100 * o['success_rate']:.1f}%", va="center", fontsize=7)

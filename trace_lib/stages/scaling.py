@@ -93,7 +93,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     # snapshots still equal to the base model (at temperature 0 their tasks reuse its episodes), and how many
     # intermediate points of either curve had episodes to decode
     same_as_base: list[str] = []
-    decoded: list[int] = []
+    decoded: list[int | str] = []
     todo = [p for p in points if p["iteration"] not in (0, None)]
     if base is None:
         reason = evaluated["methods"].get("base", {}).get("reason") or "the base model was not evaluated"
@@ -103,12 +103,13 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
         rows.append(point_row("TRACE", 0, 0, base, "", ecfg.n_boot, ecfg.ci_level, ecfg.seed))
         rows += [point_row("TRACE", p["total"], p["iteration"], None, reason) for p in points[1:]]
     else:
-        by_point = {0: base, None: final}
-        if todo:
-            by_point.update(_decode_points(params, root, todo, routed_adapters(decisions), base, progress,
-                                           same_as_base, decoded))
+        choices = routed_adapters(decisions)
+        by_point = {points[-1]["total"]: final, 0: base}
+        if todo:  # a task on a final adapter at a staggered point runs as in the evaluate stage's TRACE row
+            by_point.update(_decode_points(params, root, todo, choices, [(base, {}), (final, points[-1])],
+                                           progress, same_as_base, decoded))
         for p in points:
-            trajs = by_point[p["iteration"]]
+            trajs = by_point[p["total"]]
             rows.append(point_row("TRACE", p["total"], p["iteration"], trajs, "", ecfg.n_boot, ecfg.ci_level,
                                   ecfg.seed))
             if p["iteration"] not in (0, None):
@@ -122,14 +123,15 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
                                  0, cfg.budgets)
         g_todo = [p for p in g_points if p["iteration"] not in (0, None)]
         everyone = {t.task_id: ["grpo_target"] for t in base}
-        by_point = {0: base, None: grpo_final}
+        by_point = {g_points[-1]["total"]: grpo_final, 0: base}
         if g_todo:
-            by_point.update(_decode_points(params, root, g_todo, everyone, base, progress, same_as_base, decoded))
+            by_point.update(_decode_points(params, root, g_todo, everyone, [(base, {})], progress, same_as_base,
+                                           decoded))
         for p in g_points:
-            rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["iteration"]], "",
+            rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["total"]], "",
                                   ecfg.n_boot, ecfg.ci_level, ecfg.seed))
             if p["iteration"] not in (0, None):
-                written[f"grpo_target@{p['total']}"] = by_point[p["iteration"]]
+                written[f"grpo_target@{p['total']}"] = by_point[p["total"]]
     else:
         rows.append(point_row("GRPO on target", budget["total"], None, None,
                               grpo.get("reason") or "not evaluated"))
@@ -158,39 +160,71 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
 
 
 def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
-                   base: Sequence[Trajectory], progress: bool, same_as_base: list[str],
-                   decoded: list[int]) -> dict[int, list[Trajectory]]:
-    """Episodes at each intermediate budget point, each task under its chosen adapters' snapshots.
+                   known: Sequence[tuple[Sequence[Trajectory], dict[str, Any]]], progress: bool,
+                   same_as_base: list[str], decoded: list[int | str]) -> dict[int, list[Trajectory]]:
+    """Episodes at each intermediate budget point (keyed by its total), each task under its chosen
+    adapters' snapshots.
 
     A snapshot that is the base model (`adapter_is_identity`) is left out of a task's weights (its
-    delta is zero) and never loaded; its name is appended to `same_as_base`. A task left with no
-    adapter runs as the base model: at temperature 0 its base episode is reused. The iteration of each
-    point with a task still under an adapter is appended to `decoded`."""
+    delta is zero) and never loaded; its name is appended to `same_as_base`. `known`: episodes already
+    played, each with the point they were played at (`{}`: the base model). At temperature 0 a task
+    under the weights of such a point reuses its episode (a task left with no adapter the base model's,
+    a task on a final adapter the evaluate stage's), and only the adapters of the other tasks are
+    loaded. The iteration of each point with a task still to decode is appended to `decoded`."""
     ecfg = params.evaluate
-    snapshots = {snapshot_name(p, c): s.path for p in todo for c, s in p["adapters"].items()}
+    caps, baselines = inputs.find_adapters(root)
+    folders = {**caps, **baselines}
+    snapshots = {snapshot_name(p, c): folders[c] if s == "final" else s.path for p in todo
+                 for c, s in p["adapters"].items() if s is not None}
     identity = {name for name, path in snapshots.items() if adapter_is_identity(path)}
     same_as_base += sorted(identity)
-    adapters = {name: str(path) for name, path in snapshots.items() if name not in identity}
-    policy = open_policy(params, Path(params.model.out_dir), adapters, threads=params.rollout.threads)
     rcfg = eval_rollout_config(params.rollout, ecfg)
     targets = eval_targets(params.env, ecfg, root)
     memo: dict | None = None
-    if rcfg.temperature == 0:  # tasks the router sends to 'none' run as the base model did
+    if rcfg.temperature == 0:
         memo = {}
+        for trajs, point in known:  # the first source that played a task under some weights is its memo entry
+            played = point_routing(choices, point) if point else {}
+            these: dict[tuple, list[Trajectory]] = {}
+            for env_cfg, tasks in targets:
+                ids = {t.id for t in tasks}
+                for t in trajs:
+                    if t.task_id in ids:
+                        these.setdefault(_memo_key(env_cfg.name, played.get(t.task_id, {}), t.task_id), []).append(t)
+            for key, episodes in these.items():
+                memo.setdefault(key, episodes)
+    routings = {p["total"]: {task: {a: x for a, x in w.items() if a not in identity}
+                             for task, w in point_routing(choices, p).items()} for p in todo}
+    needed: set[str] = set()
+    seen = set(memo or ())
+    before = len(decoded)
+    for p in todo:
+        new = False
         for env_cfg, tasks in targets:
-            ids = {t.id for t in tasks}
-            for t in base:
-                if t.task_id in ids:
-                    memo.setdefault((env_cfg.name, (), t.task_id), []).append(t)
+            for t in tasks:
+                w = routings[p["total"]].get(t.id, {})
+                key = _memo_key(env_cfg.name, w, t.id)
+                if memo is None or key not in seen:  # an episode still to decode
+                    needed |= set(w)
+                    seen.add(key)
+                    new = True
+        if new:
+            decoded.append(p["iteration"])
+    # every episode reused: the model is not even loaded
+    policy = None if len(decoded) == before else open_policy(
+        params, Path(params.model.out_dir), {n: str(snapshots[n]) for n in sorted(needed)},
+        threads=params.rollout.threads)
     out = {}
     for p in todo:
-        routing = {task: {a: x for a, x in w.items() if a not in identity}
-                   for task, w in point_routing(choices, p).items()}
-        if any(routing.values()):
-            decoded.append(p["iteration"])
         trajs: list[Trajectory] = []
         for env_cfg, tasks in targets:
             trajs += evaluate_policy(policy, tasks, lambda e=env_cfg: make_env(e), rcfg, ecfg.seed,
-                                     {t.id: routing.get(t.id, {}) for t in tasks}, progress, memo, env_cfg.name)
-        out[p["iteration"]] = trajs
+                                     {t.id: routings[p["total"]].get(t.id, {}) for t in tasks}, progress, memo,
+                                     env_cfg.name)
+        out[p["total"]] = trajs
     return out
+
+
+def _memo_key(env: str, weights: dict[str, float], task_id: str) -> tuple:
+    """`evaluate_policy`'s memo key of a task under `weights`."""
+    return env, tuple(sorted(weights.items())), task_id

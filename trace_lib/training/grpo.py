@@ -447,10 +447,15 @@ class AgentRollout:
                                           hint=hints.get(key) if sample in guided else None, preplay=preplay[key]))
         return episodes
 
+    drop_equal_groups: bool = True
+    """Whether a group whose rewards are all equal is dropped (GRPO: no learning signal in it)."""
+
     def _masks(self, episodes: list[Episode]) -> tuple[list[list[int]], list[bool]]:
         """Each episode's loss mask, and whether its group was dropped (identical rewards)."""
         masks = [loss_mask(ep, self.cfg.filter_lookup_only) for ep in episodes]
         dropped = [False] * len(episodes)
+        if not self.drop_equal_groups:
+            return masks, dropped
         k = self.cfg.group_size
         if len(episodes) % k:
             raise ValueError(f"{len(episodes)} rollouts are not whole groups of {k}")
@@ -505,6 +510,12 @@ def trajectory_reward(prompts: list[Any], completions: list[Any], reward: list[f
 PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 
 
+def scored_mask(batch: dict[str, Any]) -> Any:
+    """The completion tokens a TRL batch trains: its completion mask, times its tool mask (the
+    tokens the environment wrote) when it has one."""
+    return batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+
+
 def drop_masked_rows(inputs: dict[str, Any]) -> dict[str, Any] | None:
     """A TRL micro-batch without the episodes whose loss mask is empty, padding columns trimmed.
 
@@ -514,9 +525,7 @@ def drop_masked_rows(inputs: dict[str, Any]) -> dict[str, Any] | None:
     """
     import torch
 
-    mask = inputs["completion_mask"]
-    if "tool_mask" in inputs:
-        mask = mask * inputs["tool_mask"]
+    mask = scored_mask(inputs)
     keep = mask.sum(-1) > 0
     if bool(keep.all()):
         return inputs

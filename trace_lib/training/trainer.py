@@ -75,8 +75,8 @@ from trace_lib.training.grpo import (
     AgentRollout,
     TrainSource,
     drop_masked_rows,
-    loss_mask,
     prompt_key,
+    scored_mask,
     trajectory_reward,
 )
 from trace_lib.training.rewards import make_reward
@@ -226,8 +226,7 @@ class AgentGRPOTrainer(GRPOTrainer):
 
         if kept is None:
             return zero()
-        mask = kept["completion_mask"]
-        self._score_mask = mask * kept["tool_mask"] if "tool_mask" in kept else mask
+        self._score_mask = scored_mask(kept)
         try:
             loss = super().compute_loss(model, kept, return_outputs, num_items_in_batch)
         finally:
@@ -262,8 +261,7 @@ class DistillRollout(AgentRollout):
     """The student's episodes for distillation: every episode is trained (no group is dropped for equal
     rewards: the signal is the teacher's, token by token); rewards are still scored, for the log."""
 
-    def _masks(self, episodes: list[Any]) -> tuple[list[list[int]], list[bool]]:
-        return [loss_mask(ep, self.cfg.filter_lookup_only) for ep in episodes], [False] * len(episodes)
+    drop_equal_groups = False
 
 
 def distill_advantages(student: Any, teacher: Any, mask: Any) -> Any:
@@ -296,7 +294,7 @@ class DistillGRPOTrainer(AgentGRPOTrainer):
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
         attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         keep = out["completion_ids"].shape[1]
-        mask = out["completion_mask"] * out["tool_mask"] if "tool_mask" in out else out["completion_mask"]
+        mask = scored_mask(out)
         if len(episodes) != ids.shape[0]:
             raise RuntimeError(f"{len(episodes)} episodes for {ids.shape[0]} rows: cannot pair them with teachers")
         model = self.model
@@ -317,7 +315,7 @@ class DistillGRPOTrainer(AgentGRPOTrainer):
             model.train(was_training)
         out["advantages"] = distill_advantages(student, teacher, mask.to(student.dtype))
         # every process's rows: the log is the same on each (training/distributed.py)
-        parts = distributed.gather([(float(((student - teacher) * mask).sum()), float(mask.sum()))])
+        parts = distributed.gather([(-float(out["advantages"].sum()), float(mask.sum()))])
         n = sum(c for _, c in parts)
         self.rollout_func.stats.setdefault(int(self.state.global_step), {})["distill_kl"] = (
             sum(s for s, _ in parts) / n if n else None)
@@ -456,10 +454,12 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     if teachers is not None and sorted(teachers) != sorted(s.name for s in sources):
         raise ValueError(f"distillation needs one teacher per source: teachers {sorted(teachers)}, "
                          f"sources {sorted(s.name for s in sources)}")
+    teachers_digest = None
     if teachers is not None:  # a checkpoint is only valid for the teachers it was distilled from
         from trace_lib.agent.adapters import adapter_digest
 
-        resume_key += "|teachers:" + adapter_digest(teachers, dict.fromkeys(teachers, 1.0))
+        teachers_digest = adapter_digest(teachers, dict.fromkeys(teachers, 1.0))
+        resume_key += "|teachers:" + teachers_digest
     fingerprint = _fingerprint(cfg, sources, seed, env_sha256, resume_key)
     if rank == 0:  # process 0 decides (and deletes a stale folder) before the others read
         ckpt, state = _resume_state(ckpt_root, fingerprint)
@@ -514,7 +514,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         config={"train": cfg.model_dump(mode="json"), "seed": seed,
                 "sources": {s.name: s.weight for s in sources}, "budget": budget,
                 **({"teachers": {k: Path(v).as_posix() for k, v in sorted(teachers.items())},
-                    "teachers_digest": resume_key.rsplit("|teachers:", 1)[1]} if teachers is not None else {})},
+                    "teachers_digest": teachers_digest} if teachers is not None else {})},
     )
     if rank > 0:  # the weights are process 0's (the same on every process); it writes the adapter
         distributed.barrier()
