@@ -108,10 +108,10 @@ def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
     cpu = params_from_dict({})
     assert cpu.evaluate.methods == ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
                                     "trace", "distilled"] and cpu.evaluate.route_mode == "argmax"
-    assert cpu.train.baselines == ["grpo_target", "merged_data"] and cpu.scaling.budgets == [16, 32, 44, 60]
+    assert cpu.train.baselines == ["grpo_target", "merged_data"] and cpu.scaling.budgets == [16, 32, 36, 44, 52, 60]
     assert cpu.train.distill.iterations == 2 and cpu.train.distill.learning_rate is None
     assert Params().train.distill.iterations == 0  # outside a profile: no distillation
-    assert load_params(Path(__file__).parents[1] / "params.yaml").scaling.budgets == [16, 32, 44, 60]
+    assert load_params(Path(__file__).parents[1] / "params.yaml").scaling.budgets == [16, 32, 36, 44, 52, 60]
     paper = params_from_dict({"profile": "paper"})
     assert "grpo_target" in paper.evaluate.methods and paper.evaluate.route_mode == "both"
     gpu = params_from_dict({"profile": "gpu"})

@@ -52,6 +52,30 @@ def test_budget_points_every_snapshot_then_final():
     assert budget_points({}, {}) == [{"total": 0, "iteration": 0, "adapters": {}}]
 
 
+def test_budget_points_three_adapters_and_sparse_budgets():
+    snaps = {"a": [snap("a", 1, 4)], "b": [snap("b", 1, 4), snap("b", 2, 8)], "c": []}
+    points = budget_points(snaps, {"a": 8, "b": 12, "c": 6})
+    assert [(p["total"], p["iteration"]) for p in points] == [
+        (0, 0), (4, "a 1, b 0, c 0"), (8, "a 1, b 1, c 0"), (14, "a 1, b 1, c final"), (18, "a final, b 1, c final"),
+        (22, "a final, b 2, c final"), (26, None)]
+    # a budget between two points takes the one below it, whether or not its neighbours are drawn
+    picked = budget_points(snaps, {"a": 8, "b": 12, "c": 6}, budgets=[10, 20])
+    assert [p["total"] for p in picked] == [0, 8, 18, 26]
+    assert picked[2]["adapters"] == {"a": "final", "b": snaps["b"][0], "c": "final"}
+
+
+def test_memo_key_is_the_runners():
+    from types import SimpleNamespace
+
+    from trace_lib.evaluation.runner import route_groups
+    from trace_lib.stages.scaling import _memo_key
+
+    task = SimpleNamespace(id="t1")
+    for weights in ({}, {"b": 1.0, "a": 0.5, "c": 0}, {"a@iter-1": 1}):
+        (cleaned, _), = route_groups([task], {"t1": weights})
+        assert _memo_key("env", weights, "t1") == ("env", tuple(cleaned.items()), "t1")
+
+
 def test_point_routing_renames_adapters_and_keeps_none():
     points = budget_points({"a": [snap("a", 1, 8)], "b": [snap("b", 1, 8)]}, {"a": 16, "b": 16})
     ds = [RouteDecision(task_id="t1", mode="argmax", candidates=["a", "b"], labels=["A", "B", "C"],
@@ -229,4 +253,19 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
     (tmp_path / "data/evaluate/routes/trace_argmax.jsonl").write_text("".join(json.dumps(r) + "\n" for r in none))
     again = run_scaling(params, tmp_path, progress=False)
     assert all(p["n"] == 2 for p in again["points"] if p["method"] == "TRACE")
+    # every task on the base model: TRACE's points decode nothing and load no snapshot
+    import trace_lib.stages.scaling as stage
+
+    opened: list[list[str]] = []
+
+    def recording(*args, **kwargs):
+        opened.append(sorted(args[2]))
+        return real(*args, **kwargs)
+
+    real = stage.open_policy
+    monkeypatch.setattr(stage, "open_policy", recording)
+    (tmp_path / "data/evaluate/routes/trace_argmax.jsonl").write_text(
+        "".join(json.dumps({**r, "weights": {}}) + "\n" for r in routes))
+    idle = run_scaling(params, tmp_path, progress=False)
+    assert opened == [["grpo_target@iter-2"]] and idle["decoded_points"] == 1  # GRPO's point at 9 only
     return routed

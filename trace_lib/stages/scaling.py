@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.adapters import adapter_is_identity
+from trace_lib.agent.adapters import active_weights, adapter_is_identity
 from trace_lib.agent.backends import open_policy
 from trace_lib.config import Params, ScalingConfig
 from trace_lib.envs import make_env
@@ -177,7 +177,8 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
     snapshots = {snapshot_name(p, c): folders[c] if s == "final" else s.path for p in todo
                  for c, s in p["adapters"].items() if s is not None}
     identity = {name for name, path in snapshots.items() if adapter_is_identity(path)}
-    same_as_base += sorted(identity)
+    same_as_base += sorted(identity - {snapshot_name(p, c) for p in todo for c, s in p["adapters"].items()
+                                       if s == "final"})  # the snapshots, not a final adapter among them
     rcfg = eval_rollout_config(params.rollout, ecfg)
     targets = eval_targets(params.env, ecfg, root)
     memo: dict | None = None
@@ -226,5 +227,5 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
 
 
 def _memo_key(env: str, weights: dict[str, float], task_id: str) -> tuple:
-    """`evaluate_policy`'s memo key of a task under `weights`."""
-    return env, tuple(sorted(weights.items())), task_id
+    """`evaluate_policy`'s memo key of a task under `weights` (`route_groups`' weights: sorted, nonzero, float)."""
+    return env, tuple(active_weights(dict(sorted(weights.items()))).items()), task_id
