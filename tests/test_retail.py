@@ -86,6 +86,14 @@ def test_reset_opens_with_policy_and_user_and_is_cheap(env, tasks):
     assert opening[1].role == "user" and task.meta["entity"] in opening[1].content
 
 
+def test_the_user_speaks_only_after_reset(tasks):
+    fresh = RetailEnv()
+    with pytest.raises(RuntimeError, match=r"RetailEnv has no user for this episode: call reset\(\) first"):
+        fresh._user_reply("Hello")
+    fresh.reset(tasks["order_status"][0])
+    assert fresh._user_reply("Could you confirm?").content
+
+
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_gold_replay_scores_one(env, tasks, family):
     for task in tasks[family]:

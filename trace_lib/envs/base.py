@@ -101,11 +101,21 @@ class Environment(ABC):
     def _execute(self, call: ToolCall) -> tuple[str, bool]:
         """Run one tool call on the current state; return (observation text, is_error)."""
 
-    @abstractmethod
-    def _user_opening(self, task: Task) -> str: ...
+    _user: Any = None
+    """The current episode's simulated user (`_reset_state` sets it), with `opening()` and `reply(text)`
+    as `trace_lib.envs.user.ScriptedUser` has them; an environment whose user speaks otherwise (τ²'s)
+    overrides the two methods below instead."""
 
-    @abstractmethod
-    def _user_reply(self, agent_text: str) -> UserTurn: ...
+    def _user_opening(self, task: Task) -> str:
+        return self._episode_user().opening()
+
+    def _user_reply(self, agent_text: str) -> UserTurn:
+        return self._episode_user().reply(agent_text)
+
+    def _episode_user(self) -> Any:
+        if self._user is None:
+            raise RuntimeError(f"{type(self).__name__} has no user for this episode: call reset() first")
+        return self._user
 
     @abstractmethod
     def _score(self) -> tuple[float, dict[str, Any]]:

@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trace_lib.config import EnvConfig
-from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.envs.base import Environment, ToolSpec
 from trace_lib.envs.limits import ToolLimits
 from trace_lib.envs.said import output_found
 from trace_lib.envs.families import build_family_tasks, core_tool_names
@@ -219,14 +219,6 @@ class RetailEnv(Environment):
         if not is_error and self._kinds.get(call.name) == "write":
             self._writes.append({"tool": call.name, "confirmed": self._user.confirmations > 0})
         return text, is_error
-
-    def _user_opening(self, task: Task) -> str:
-        assert self._user is not None
-        return self._user.opening()
-
-    def _user_reply(self, agent_text: str) -> UserTurn:
-        assert self._user is not None
-        return self._user.reply(agent_text)
 
     def _score(self) -> tuple[float, dict[str, Any]]:
         st = self._require_state()

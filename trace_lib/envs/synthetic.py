@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from trace_lib.config import EnvConfig
-from trace_lib.envs.base import Environment, ToolSpec, UserTurn
+from trace_lib.envs.base import Environment, ToolSpec
 from trace_lib.envs.limits import ToolLimits
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
@@ -147,14 +147,6 @@ class SyntheticEnv(Environment):
     def _execute(self, call: ToolCall) -> tuple[str, bool]:
         reply = self.sandbox.request("call_tool", handle=self._handle, name=call.name, arguments=dict(call.arguments))
         return reply["text"], bool(reply["error"])
-
-    def _user_opening(self, task: Task) -> str:
-        assert self._user is not None
-        return self._user.opening()
-
-    def _user_reply(self, agent_text: str) -> UserTurn:
-        assert self._user is not None
-        return self._user.reply(agent_text)
 
     def _score(self) -> tuple[float, dict[str, Any]]:
         st = self._require_state()

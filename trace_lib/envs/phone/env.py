@@ -101,14 +101,10 @@ class PhoneEnv(Environment):
         self.snapshots.append(call_snapshot(self.world, call.name, call.arguments, not is_error))
         return text, is_error
 
-    def _user_opening(self, task: Task) -> str:
-        assert self._user is not None
-        return self._user.opening()
-
     def _user_reply(self, agent_text: str) -> UserTurn:
-        assert self.world is not None and self._user is not None
+        assert self.world is not None
         self.snapshots.append(said_snapshot(self.world, agent_text))
-        return self._user.reply(agent_text)
+        return super()._user_reply(agent_text)
 
     def _score(self) -> tuple[float, dict[str, Any]]:
         st = self._require_state()
