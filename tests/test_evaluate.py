@@ -160,7 +160,7 @@ def test_memo_shares_greedy_episodes_between_methods(policy, monkeypatch):
     fresh = evaluate_policy(policy, tasks[2:], KVEnv, CFG, seed=0, routing="b")
     assert fresh[0].messages == routed[2].messages
     # another environment's tasks never hit this one's entries
-    evaluate_policy(policy, tasks[:1], KVEnv, CFG, seed=0, memo=memo, memo_key="other")
+    evaluate_policy(policy, tasks[:1], KVEnv, CFG, seed=0, memo=memo, env_name="other")
     assert calls[-1] == ["toy/read/0"]
     with pytest.raises(ValueError, match="only at temperature 0"):
         evaluate_policy(policy, tasks, KVEnv, CFG.model_copy(update={"temperature": 0.5}), seed=0, memo={})

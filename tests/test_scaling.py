@@ -64,16 +64,16 @@ def test_budget_points_three_adapters_and_sparse_budgets():
     assert picked[2]["adapters"] == {"a": "final", "b": snaps["b"][0], "c": "final"}
 
 
-def test_memo_key_is_the_runners():
+def test_memo_key_normalises_weights_as_route_groups():
     from types import SimpleNamespace
 
-    from trace_lib.evaluation.runner import route_groups
-    from trace_lib.stages.scaling import _memo_key
+    from trace_lib.evaluation.runner import memo_key, route_groups
 
     task = SimpleNamespace(id="t1")
     for weights in ({}, {"b": 1.0, "a": 0.5, "c": 0}, {"a@iter-1": 1}):
         (cleaned, _), = route_groups([task], {"t1": weights})
-        assert _memo_key("env", weights, "t1") == ("env", tuple(cleaned.items()), "t1")
+        assert memo_key("env", weights, "t1") == ("env", tuple(cleaned.items()), "t1")
+    assert memo_key("env", {"b": 1, "a": 0.5}, "t1") == memo_key("env", {"a": 0.5, "b": 1.0, "c": 0.0}, "t1")
 
 
 def test_point_routing_renames_adapters_and_keeps_none():
@@ -268,4 +268,15 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
         "".join(json.dumps({**r, "weights": {}}) + "\n" for r in routes))
     idle = run_scaling(params, tmp_path, progress=False)
     assert opened == [["grpo_target@iter-2"]] and idle["decoded_points"] == 1  # GRPO's point at 9 only
+    # sampling (temperature > 0): no episode is shared, every point decodes every task, and a staggered
+    # point loads the final adapters of the tasks routed to them from their capability folders
+    (tmp_path / "data/evaluate/routes/trace_argmax.jsonl").write_text("".join(json.dumps(r) + "\n" for r in routes))
+    opened.clear()
+    hot = params.model_copy(update={"evaluate": params.evaluate.model_copy(update={"temperature": 0.7})})
+    sampled = run_scaling(hot, tmp_path, progress=False)
+    assert sampled["decoded_points"] == 5  # TRACE at 4, 8 and 12, GRPO at 6 and 9
+    assert all(p["n"] == 2 for p in sampled["points"] if p["method"] != "GEPA")
+    snaps = {f"{c}@iter-1" for c in routed} | ({pv} & routed)  # pv's final at 12, sdr's at no staggered point
+    assert opened == [sorted(snaps), ["grpo_target@iter-2"]]  # B = 0 (grpo_target@iter-1) still never loaded
+    assert {m["adapter"] for m in episodes("scaling/trajectories/grpo_target@6")} == {None}
     return routed

@@ -105,9 +105,15 @@ EpisodeMemo = dict[tuple, list[Trajectory]]
 """(env name, weights, task id) -> that task's trajectories: see `evaluate_policy`'s `memo`."""
 
 
+def memo_key(env: str, weights: Mapping[str, float], task_id: str) -> tuple:
+    """The `EpisodeMemo` key of a task under `weights`, normalised as `route_groups` normalises them
+    (sorted by adapter, nonzero, float): the one key `evaluate_policy` and the scaling stage share."""
+    return env, tuple(_clean(weights).items()), task_id
+
+
 def evaluate_policy(policy: Any, tasks: Sequence[Task], env_factory: Callable[[], Environment],
                     rollout_cfg: RolloutConfig, seed: int, routing: Routing = None,
-                    progress: bool = False, memo: EpisodeMemo | None = None, memo_key: str = "") -> list[Trajectory]:
+                    progress: bool = False, memo: EpisodeMemo | None = None, env_name: str = "") -> list[Trajectory]:
     """Run `tasks` under `routing` (see `route_groups`); each group runs under one weight state
     (`compose.apply_route`, base weights restored after). Trajectories sorted by id; their
     `policy_id` and `adapter` name the adapter or merge each ran with.
@@ -115,13 +121,13 @@ def evaluate_policy(policy: Any, tasks: Sequence[Task], env_factory: Callable[[]
     `memo` (greedy decoding only): an episode at temperature 0 is a function of its task and the
     weights it runs under, so methods that send a task to the same weights (TRACE routing a task to
     adapter A, `single` running A everywhere, the oracle, the base model for `none`) share one episode
-    instead of decoding it again. `memo_key` names the environment the tasks belong to."""
+    instead of decoding it again (keys: `memo_key`). `env_name` names the environment the tasks belong to."""
     if memo is not None and rollout_cfg.temperature != 0:
         raise ValueError("episodes can be shared between methods only at temperature 0")
     out: list[Trajectory] = []
     for weights, group in route_groups(tasks, routing):
-        key = (memo_key, tuple(weights.items()))
-        todo = group if memo is None else [t for t in group if (*key, t.id) not in memo]
+        keys = {t.id: memo_key(env_name, weights, t.id) for t in group}
+        todo = group if memo is None else [t for t in group if keys[t.id] not in memo]
         if todo:
             with apply_route(policy, weights):
                 trajs, _ = collect_rollouts(policy, env_factory, todo, rollout_cfg, seed,
@@ -130,9 +136,9 @@ def evaluate_policy(policy: Any, tasks: Sequence[Task], env_factory: Callable[[]
                 out.extend(trajs)
             else:
                 for t in todo:
-                    memo[(*key, t.id)] = [x for x in trajs if x.task_id == t.id]
+                    memo[keys[t.id]] = [x for x in trajs if x.task_id == t.id]
         if memo is not None:
-            out.extend(x for t in group for x in memo[(*key, t.id)])
+            out.extend(x for t in group for x in memo[keys[t.id]])
     return sorted(out, key=lambda t: t.id)
 
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.adapters import active_weights, adapter_is_identity
+from trace_lib.agent.adapters import adapter_is_identity
 from trace_lib.agent.backends import open_policy
 from trace_lib.config import Params, ScalingConfig
 from trace_lib.envs import make_env
@@ -42,6 +42,7 @@ from trace_lib.evaluation.runner import (
     eval_rollout_config,
     eval_targets,
     evaluate_policy,
+    memo_key,
 )
 from trace_lib.evaluation.scaling import (
     ablation_rows,
@@ -80,6 +81,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
         raise FileNotFoundError(f"{metrics_path} not found: run the evaluate stage first")
     evaluated = read_json(metrics_path)
     caps, baselines = inputs.find_adapters(root)
+    folders = {**caps, **baselines}
     names = sorted(caps)
     budget = inputs.trace_budget(root, names, params.rollout.split)
     snaps = {n: find_snapshots(caps[n]) for n in names}
@@ -106,7 +108,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
         choices = routed_adapters(decisions)
         by_point = {points[-1]["total"]: final, 0: base}
         if todo:  # a task on a final adapter at a staggered point runs as in the evaluate stage's TRACE row
-            by_point.update(_decode_points(params, root, todo, choices, [(base, {}), (final, points[-1])],
+            by_point.update(_decode_points(params, root, folders, todo, choices, [(base, {}), (final, points[-1])],
                                            progress, same_as_base, decoded))
         for p in points:
             trajs = by_point[p["total"]]
@@ -125,8 +127,8 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
         everyone = {t.task_id: ["grpo_target"] for t in base}
         by_point = {g_points[-1]["total"]: grpo_final, 0: base}
         if g_todo:
-            by_point.update(_decode_points(params, root, g_todo, everyone, [(base, {})], progress, same_as_base,
-                                           decoded))
+            by_point.update(_decode_points(params, root, folders, g_todo, everyone, [(base, {})], progress,
+                                           same_as_base, decoded))
         for p in g_points:
             rows.append(point_row("GRPO on target", p["total"], p["iteration"], by_point[p["total"]], "",
                                   ecfg.n_boot, ecfg.ci_level, ecfg.seed))
@@ -159,26 +161,25 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     return metrics
 
 
-def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choices: dict[str, list[str]],
-                   known: Sequence[tuple[Sequence[Trajectory], dict[str, Any]]], progress: bool,
-                   same_as_base: list[str], decoded: list[int | str]) -> dict[int, list[Trajectory]]:
+def _decode_points(params: Params, root: Path, folders: dict[str, Path], todo: list[dict[str, Any]],
+                   choices: dict[str, list[str]], known: Sequence[tuple[Sequence[Trajectory], dict[str, Any]]],
+                   progress: bool, same_as_base: list[str], decoded: list[int | str]) -> dict[int, list[Trajectory]]:
     """Episodes at each intermediate budget point (keyed by its total), each task under its chosen
-    adapters' snapshots.
+    adapters' snapshots (`folders`: adapter name -> its final adapter's folder).
 
     A snapshot that is the base model (`adapter_is_identity`) is left out of a task's weights (its
-    delta is zero) and never loaded; its name is appended to `same_as_base`. `known`: episodes already
+    delta is zero) and never loaded; its name is appended to `same_as_base`. A final adapter is kept
+    in the weights whatever its delta, as the evaluate stage keeps it. `known`: episodes already
     played, each with the point they were played at (`{}`: the base model). At temperature 0 a task
     under the weights of such a point reuses its episode (a task left with no adapter the base model's,
     a task on a final adapter the evaluate stage's), and only the adapters of the other tasks are
     loaded. The iteration of each point with a task still to decode is appended to `decoded`."""
     ecfg = params.evaluate
-    caps, baselines = inputs.find_adapters(root)
-    folders = {**caps, **baselines}
     snapshots = {snapshot_name(p, c): folders[c] if s == "final" else s.path for p in todo
                  for c, s in p["adapters"].items() if s is not None}
-    identity = {name for name, path in snapshots.items() if adapter_is_identity(path)}
-    same_as_base += sorted(identity - {snapshot_name(p, c) for p in todo for c, s in p["adapters"].items()
-                                       if s == "final"})  # the snapshots, not a final adapter among them
+    identity = {snapshot_name(p, c) for p in todo for c, s in p["adapters"].items()
+                if s not in (None, "final") and adapter_is_identity(s.path)}
+    same_as_base += sorted(identity)
     rcfg = eval_rollout_config(params.rollout, ecfg)
     targets = eval_targets(params.env, ecfg, root)
     memo: dict | None = None
@@ -191,7 +192,7 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
                 ids = {t.id for t in tasks}
                 for t in trajs:
                     if t.task_id in ids:
-                        these.setdefault(_memo_key(env_cfg.name, played.get(t.task_id, {}), t.task_id), []).append(t)
+                        these.setdefault(memo_key(env_cfg.name, played.get(t.task_id, {}), t.task_id), []).append(t)
             for key, episodes in these.items():
                 memo.setdefault(key, episodes)
     routings = {p["total"]: {task: {a: x for a, x in w.items() if a not in identity}
@@ -204,7 +205,7 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
         for env_cfg, tasks in targets:
             for t in tasks:
                 w = routings[p["total"]].get(t.id, {})
-                key = _memo_key(env_cfg.name, w, t.id)
+                key = memo_key(env_cfg.name, w, t.id)
                 if memo is None or key not in seen:  # an episode still to decode
                     needed |= set(w)
                     seen.add(key)
@@ -224,8 +225,3 @@ def _decode_points(params: Params, root: Path, todo: list[dict[str, Any]], choic
                                      env_cfg.name)
         out[p["total"]] = trajs
     return out
-
-
-def _memo_key(env: str, weights: dict[str, float], task_id: str) -> tuple:
-    """`evaluate_policy`'s memo key of a task under `weights` (`route_groups`' weights: sorted, nonzero, float)."""
-    return env, tuple(active_weights(dict(sorted(weights.items()))).items()), task_id
