@@ -200,6 +200,25 @@ def test_environments_table_puts_each_environment_beside_the_others(tmp_path: Pa
     assert rows["base"]["tau2-airline: success % [95% CI] (k/n)"] == "no run"
 
 
+def test_a_method_labelled_per_run_names_each_environments_choice(tmp_path: Path):
+    import pandas as pd
+
+    from trace_lib.evaluation.tables import method_label_across
+
+    best = "single_best"
+    write_run(tmp_path / "r", "retail", [*RETAIL_ROWS, ("single-capability (best: a)", best, "run", 14, 2, 1 / 7, 16)],
+              graded=False)
+    write_run(tmp_path / "p", "phone", [*PHONE_ROWS, ("single-capability (best: b)", best, "run", 32, 1, 0.05, 16)],
+              graded=True)
+    blocks = [EnvBlock("retail", "this run", pd.read_csv(tmp_path / "r/reports/tables/table1.csv")),
+              EnvBlock("phone", "sweeps/phone", pd.read_csv(tmp_path / "p/reports/tables/table1.csv"), graded=True)]
+    labels = list(environments_table(blocks)["method"])
+    assert "single-capability (best: retail a; phone b)" in labels and "base" in labels
+    assert method_label_across({"retail": "x (k: 1)", "phone": "x (k: 1)"}) == "x (k: 1)"
+    assert method_label_across({"retail": "x (one)", "phone": "x (two)"}) == "x (retail: one; phone: two)"
+    assert method_label_across({"retail": "x", "phone": "y"}) == "retail: x; phone: y"
+
+
 def test_report_reads_the_other_runs_named_in_params(tmp_path: Path):
     write_run(tmp_path, "retail", RETAIL_ROWS, graded=False)
     write_run(tmp_path / "sweeps" / "phone", "phone", PHONE_ROWS, graded=True)

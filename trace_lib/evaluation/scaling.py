@@ -132,9 +132,10 @@ def snapshot_name(point: dict[str, Any], cap: str) -> str:
 
 
 # --- tables ------------------------------------------------------------------------------------------
-def point_row(method: str, point_total: int, iteration: int | None, trajs: Sequence[Trajectory] | None,
+def point_row(method: str, point_total: int, iteration: int | str | None, trajs: Sequence[Trajectory] | None,
               reason: str = "", n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> dict[str, Any]:
-    """One scaling point (or a not-run reason): success with bootstrap CI, mean tool calls per success."""
+    """One scaling point (or a not-run reason): success with bootstrap CI, mean tool calls per success.
+    `iteration` as `budget_points` gives it: 0 (base), k, None (final) or a staggered point's label."""
     row: dict[str, Any] = {"method": method, "budget": point_total, "iteration": iteration, "reason": reason}
     if trajs is not None:
         row.update(rate_row(trajs, n_boot, level, seed))

@@ -12,7 +12,7 @@ that did not run keeps its row and says why, so the table shape never depends on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,16 +377,37 @@ def env_block_cells(block: EnvBlock, key: str) -> tuple[str, str, str]:
     return cell, reward, rollouts
 
 
+def method_label_across(by_env: Mapping[str, str]) -> str:
+    """One row label for a method whose label may differ between environments (the best single adapter
+    is chosen per run): the shared label, or the shared head with each environment's own detail,
+    'single-capability (best: retail a; phone b)'."""
+    distinct = list(dict.fromkeys(by_env.values()))
+    if len(distinct) == 1:
+        return distinct[0]
+    heads = {label.split(" (", 1)[0] for label in distinct}
+    if len(heads) == 1 and all(label.endswith(")") and " (" in label for label in distinct):
+        head = heads.pop()
+        details = [label.split(" (", 1)[1][:-1] for label in by_env.values()]
+        keys = {d.split(": ", 1)[0] for d in details if ": " in d}
+        if len(keys) == 1 and all(": " in d for d in details):  # 'best: a' and 'best: b' -> 'best: retail a; ...'
+            key = keys.pop()
+            return f"{head} ({key}: " + "; ".join(f"{env} {d.split(': ', 1)[1]}" for env, d in
+                                                   zip(by_env, details)) + ")"
+        return f"{head} (" + "; ".join(f"{env}: {d}" for env, d in zip(by_env, details)) + ")"
+    return "; ".join(f"{env}: {label}" for env, label in by_env.items())
+
+
 def environments_table(blocks: Sequence[EnvBlock]) -> pd.DataFrame:
     """The paper's Table 1 across environments: one row per method (in the first block's order, then any
     method only a later block has), per environment its overall success % with the 95% CI and k/n
     ('perfect' on a graded environment, whose mean reward follows), and the rollouts behind it."""
-    methods: dict[str, str] = {}
+    labels: dict[str, dict[str, str]] = {}  # key -> {env: that block's label}
     for block in blocks:
         if block.rows is not None:
             for key, label in zip(block.rows["key"], block.rows["method"]):
                 if isinstance(key, str) and key:
-                    methods.setdefault(key, str(label))
+                    labels.setdefault(key, {}).setdefault(block.env, str(label))
+    methods = {key: method_label_across(by_env) for key, by_env in labels.items()}
     columns = ["method"]
     for block in blocks:
         columns.append(f"{block.env}: {'perfect' if block.graded else 'success'} % [95% CI] (k/n)")

@@ -108,7 +108,7 @@ def scaling_curve(rows: Sequence[dict[str, Any]], title: str = "") -> plt.Figure
         ax.text(0.99, 0.02, "not run: " + ", ".join(missing), transform=ax.transAxes, ha="right", fontsize=8,
                 color="0.4")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("training rollouts (TRACE: all adapters + band checks)")
+    ax.set_xlabel("rollouts (TRACE: discovery + band checks + all adapters)")
     ax.set_ylabel("success rate (95% bootstrap CI over tasks)")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)
