@@ -175,10 +175,10 @@ def _decode_points(params: Params, root: Path, folders: dict[str, Path], todo: l
     a task on a final adapter the evaluate stage's), and only the adapters of the other tasks are
     loaded. The iteration of each point with a task still to decode is appended to `decoded`."""
     ecfg = params.evaluate
-    snapshots = {snapshot_name(p, c): folders[c] if s == "final" else s.path for p in todo
-                 for c, s in p["adapters"].items() if s is not None}
-    identity = {snapshot_name(p, c) for p in todo for c, s in p["adapters"].items()
-                if s not in (None, "final") and adapter_is_identity(s.path)}
+    staged = {snapshot_name(p, c): s.path for p in todo for c, s in p["adapters"].items() if s not in (None, "final")}
+    snapshots = {**staged, **{snapshot_name(p, c): folders[c] for p in todo for c, s in p["adapters"].items()
+                              if s == "final"}}
+    identity = {name for name, path in staged.items() if adapter_is_identity(path)}  # each snapshot read once
     same_as_base += sorted(identity)
     rcfg = eval_rollout_config(params.rollout, ecfg)
     targets = eval_targets(params.env, ecfg, root)
