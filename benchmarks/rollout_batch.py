@@ -6,10 +6,12 @@ reports seconds, prefill and decode seconds, agent tokens, agent tokens per seco
 
 Modes:
     ragged   the engine as it is: rows' new tokens prefilled in passes of similar rows
-             (`policy.prefill_passes`), a decoding step reading a long row's early keys apart
-             (`kvcache.history_split`)
-    padded   as before those two: one padded prefill pass over all rows, every row's keys read up to
-             the longest history (both helpers patched to always choose the single batch)
+             (`policy.prefill_passes`), a decoding step reading its rows' whole key and value buffers
+             (contiguous) or a long row's early keys apart (`kvcache.history_split`)
+    sliced   as before 2026-11-26 (evening): the decoding step reads the filled part of the buffers, a
+             slice, which a bf16 product on the CPU computes on a slow path
+    padded   as before 2026-11-26 (morning): sliced, one padded prefill pass over all rows, every row's
+             keys read up to the longest history (both helpers patched to always choose the single batch)
 
 Batch size: decoding on the CPU reads every weight (~270 MB in bf16 for SmolLM2-135M) once per step
 whatever the batch, so more rows per step should cost little more, unless per-row work (attention over
@@ -35,22 +37,32 @@ from trace_lib.envs import make_env, make_tasks
 
 @contextmanager
 def engine_mode(mode: str):
-    if mode not in ("ragged", "padded"):
-        raise ValueError(f"unknown mode {mode!r} (ragged, padded)")
-    saved = policy_mod.prefill_cost, kvcache.history_split
+    if mode not in ("ragged", "sliced", "padded"):
+        raise ValueError(f"unknown mode {mode!r} (ragged, sliced, padded)")
+    saved = policy_mod.prefill_cost, kvcache.history_split, kvcache.WHOLE_READ_COST, kvcache.BufferedLayer.update
+    if mode in ("sliced", "padded"):
+        whole_update = kvcache.BufferedLayer.update
+
+        def filled_update(self, *args, **kwargs):  # the filled part of the buffers, not the whole
+            whole_update(self, *args, **kwargs)
+            return self.keys, self.values
+
+        kvcache.BufferedLayer.update = filled_update
+        kvcache.WHOLE_READ_COST = 1.0  # column 0 then costs what any other cut does, as before
     if mode == "padded":
         policy_mod.prefill_cost = lambda *a: 0.0  # every split looks no cheaper than one padded pass
         kvcache.history_split = lambda starts, length: 0  # every row's keys from column 0
     try:
         yield
     finally:
-        policy_mod.prefill_cost, kvcache.history_split = saved
+        (policy_mod.prefill_cost, kvcache.history_split, kvcache.WHOLE_READ_COST,
+         kvcache.BufferedLayer.update) = saved
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--modes", default="ragged,padded")
+    ap.add_argument("--modes", default="ragged,sliced")
     ap.add_argument("--batch-sizes", default="8")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--tasks", type=int, default=0, help="first N train tasks (0: all)")

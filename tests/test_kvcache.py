@@ -56,8 +56,8 @@ def test_cascade_equals_attention_over_the_concatenation(lq, dtype):
 def test_history_split_reads_a_long_rows_early_keys_apart():
     # one row 4.8k positions long, seven at 1k, in a 4.8k buffer: from column 3.8k on, all rows together
     assert history_split([0] + [3800] * 7, 4800) == 3800
-    # rows of one length: nothing apart
-    assert history_split([200] * 8, 1200) == 200
+    # rows of one length: the whole buffer, read contiguously (a slice from column 200 costs twice per key)
+    assert history_split([200] * 8, 1200) == 0
     # a short difference is not worth a row's separate product
     assert history_split([0, 100, 100, 100], 1000) == 0
     assert SPLIT_OVERHEAD_KEYS > 100 * 3
@@ -67,36 +67,36 @@ def test_history_split_reads_a_long_rows_early_keys_apart():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cascade_over_histories_of_different_lengths_equals_attention_over_the_concatenation(lq, dtype):
     torch.manual_seed(3)
-    b, h, hkv, plen, s, d = 4, 6, 2, 5, 4000, 16
+    b, h, hkv, plen, s, d = 4, 6, 2, 5, 6000, 16
     q = torch.randn(b, h, lq, d, dtype=dtype)
     pk, pv = torch.randn(1, hkv, plen, d, dtype=dtype), torch.randn(1, hkv, plen, d, dtype=dtype)
     kt = torch.randn(b, hkv, d, s, dtype=dtype)  # keys stored transposed, as BufferedLayer does
     k, v = kt.transpose(-1, -2), torch.randn(b, hkv, s, d, dtype=dtype)
     mask = torch.zeros(b, 1, lq, plen + s, dtype=torch.bool)
     mask[..., :plen] = True
-    for row, start in enumerate([0, 3000, 3100, 3500]):  # row 0's history is 3k positions longer
+    for row, start in enumerate([0, 5500, 5600, 5700]):  # row 0's history is 5.5k positions longer
         mask[row, ..., plen + start:] = True
-    mask[2, ..., plen + 3200:plen + 3300] = False  # padding inside a row's history
+    mask[2, ..., plen + 5620:plen + 5640] = False  # padding inside a row's history
     for i in range(lq):
         mask[..., i, plen + s - lq + i + 1:] = False
-    assert history_split([0, 3000, 3100, 3500], s) == 3000  # the case under test: row 0 read apart
+    assert history_split([0, 5500, 5600, 5700], s) == 5500  # the case under test: row 0 read apart
     _cascade_matches_concatenation(q, pk, pv, k, v, mask, dtype)
 
 
 def test_split_histories_keep_queries_that_see_nothing_in_one_part():
     torch.manual_seed(4)
-    b, h, hkv, plen, s, d, lq = 3, 4, 2, 3, 3000, 8, 3
+    b, h, hkv, plen, s, d, lq = 3, 4, 2, 3, 10000, 8, 3
     q = torch.randn(b, h, lq, d)
     pk, pv = torch.randn(1, hkv, plen, d), torch.randn(1, hkv, plen, d)
     k, v = torch.randn(b, hkv, d, s).transpose(-1, -2), torch.randn(b, hkv, s, d)
     mask = torch.zeros(b, 1, lq, plen + s, dtype=torch.bool)
     mask[..., :plen] = True
     mask[0, ..., plen:] = True  # row 0: the whole history
-    mask[0, :, 1, plen + 2500:] = False  # ... but its query 1 sees only the early part
-    mask[1, :, :, plen + 2600:] = True  # row 1: the late part only
+    mask[0, :, 1, plen + 9500:] = False  # ... but its query 1 sees only the early part
+    mask[1, :, :, plen + 9600:] = True  # row 1: the late part only
     mask[1, :, 0, plen:] = False  # ... and its query 0 is padding: the prefix only
-    mask[2, :, :, plen + 2800:] = True
-    assert history_split([0, 2600, 2800], s) == 2600
+    mask[2, :, :, plen + 9800:] = True
+    assert history_split([0, 9600, 9800], s) == 9600
     out = _cascade_matches_concatenation(q, pk, pv, k, v, mask, torch.float32)
     assert torch.isfinite(out).all()
 
@@ -128,9 +128,42 @@ def test_cascade_without_a_mask_is_causal_over_the_suffix(lq):
 def test_buffered_layer_grows_selects_and_reports_offset():
     layer = BufferedLayer(capacity=2, offset=10)
     k = torch.arange(3 * 1 * 3 * 2, dtype=torch.float32).reshape(3, 1, 3, 2)
-    keys, _ = layer.update(k, k + 100)
-    assert keys.shape == (3, 1, 3, 2) and torch.equal(keys, k)  # grew past capacity 2
-    keys, values = layer.update(k[:, :, :1], k[:, :, :1])
-    assert layer.get_seq_length() == 10 + 4 and keys.shape[2] == 4
+    layer.update(k, k + 100)
+    assert layer.keys.shape == (3, 1, 3, 2) and torch.equal(layer.keys, k)  # grew past capacity 2
+    layer.update(k[:, :, :1], k[:, :, :1])
+    assert layer.get_seq_length() == 10 + 4 and layer.keys.shape[2] == 4
     layer.batch_select_indices(torch.tensor([2, 0]))
     assert torch.equal(layer.keys[:, :, :3], k[[2, 0]]) and layer.values.shape[0] == 2
+
+
+def test_buffered_layer_returns_its_whole_zeroed_buffer_with_an_offset_and_the_filled_part_without():
+    k = torch.randn(2, 3, 5, 4)
+    whole = BufferedLayer(capacity=8, offset=6)
+    keys, values = whole.update(k, k + 1)
+    assert keys.shape == values.shape == (2, 3, 8, 4)  # the cascade attention reads the whole buffer
+    assert torch.equal(keys[:, :, :5], k) and torch.equal(values[:, :, :5], k + 1)
+    assert not keys[:, :, 5:].any() and not values[:, :, 5:].any()  # the unused tail: zeros, finite
+    assert torch.equal(whole.keys, k) and whole.get_seq_length() == 6 + 5
+    part = BufferedLayer(capacity=8)
+    keys, _ = part.update(k, k)
+    assert keys.shape == (2, 3, 5, 4) and torch.equal(keys, k)  # plain attention (sdpa): the filled part
+
+
+@pytest.mark.parametrize("lq", [1, 3, MATMUL_MAX_QUERIES + 4])
+def test_cascade_over_whole_buffers_equals_attention_over_the_filled_part(lq):
+    torch.manual_seed(5)
+    b, h, hkv, plen, d, filled = 3, 6, 2, 4, 8, 20
+    q = torch.randn(b, h, lq, d)
+    pk, pv = torch.randn(1, hkv, plen, d), torch.randn(1, hkv, plen, d)
+    layer = BufferedLayer(capacity=filled + 7, offset=plen)
+    k, v = torch.randn(b, hkv, filled, d), torch.randn(b, hkv, filled, d)
+    keys, values = layer.update(k, v)
+    assert keys.shape[2] == filled + 7
+    mask = torch.ones(b, 1, lq, plen + filled, dtype=torch.bool)
+    for i in range(lq):
+        mask[:, :, i, plen + filled - lq + i + 1:] = False
+    mask[1, :, :, plen:plen + 3] = False
+    with shared_prefix([(pk, pv)]):
+        out, _ = cascade_attention(_Layer(), q, keys, values, mask, scaling=d**-0.5)
+    ref = _cascade_matches_concatenation(q, pk, pv, k, v, mask, torch.float32)
+    assert torch.allclose(out, ref, atol=1e-6)

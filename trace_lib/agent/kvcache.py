@@ -41,19 +41,26 @@ class BufferedLayer(DynamicLayer):
     Keys are stored transposed, (batch, heads, dim, capacity): the decode step's scores q @ K^T then
     read a plain strided slice. With keys stored (…, capacity, dim), the bf16 batched product over
     the sliced view took ~4x longer (1.05 ms vs 0.23 ms for 8 rows x 1.5k positions, 2 cores).
+
+    With `offset` > 0 (the cascade attention) `update` returns the whole buffers, not the filled
+    part: a bf16 product over a slice of a buffer (rows `capacity` apart) takes a slow path on the
+    CPU, 2-3x the time of the same product over the contiguous buffer (`benchmarks/ragged_history.py`).
+    The unused tail is zeros, and `cascade_attention` masks it, knowing the filled length from its
+    mask. `keys` and `values` stay the filled part.
     """
 
     def __init__(self, capacity: int, offset: int = 0) -> None:
         super().__init__()
         self.capacity = capacity
         self.offset = offset
+        self.whole_buffers = offset > 0
         self._n = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self._kt = key_states.new_empty(b, h, d, self.capacity)
-        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self._kt = key_states.new_zeros(b, h, d, self.capacity)  # zeros: the unused tail is read (and masked)
+        self._v = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
         self._n = 0
         self._refresh()
         self.is_initialized = True
@@ -68,13 +75,15 @@ class BufferedLayer(DynamicLayer):
         if n + q > self._v.shape[-2]:  # grow geometrically; only hit when the caller underestimates
             cap = max(2 * self._v.shape[-2], n + q)
             kt, v = self._kt, self._v
-            self._kt = kt.new_empty(*kt.shape[:3], cap)
-            self._v = v.new_empty(*v.shape[:2], cap, v.shape[-1])
+            self._kt = kt.new_zeros(*kt.shape[:3], cap)
+            self._v = v.new_zeros(*v.shape[:2], cap, v.shape[-1])
             self._kt[..., :n], self._v[:, :, :n] = kt[..., :n], v[:, :, :n]
         self._kt[..., n : n + q] = key_states.transpose(-1, -2)
         self._v[:, :, n : n + q] = value_states
         self._n = n + q
         self._refresh()
+        if self.whole_buffers:
+            return self._kt.transpose(-1, -2), self._v
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -161,17 +170,27 @@ def _matmul_attention(q, k, v, mask=None, scale=None):
 SPLIT_OVERHEAD_KEYS = 2048
 """What computing one row's early history apart costs, in keys x rows of the batched product (~0.1 ms)."""
 
+WHOLE_READ_COST = 0.5
+"""Cost of a key of one row when the product reads the whole key buffer, per key of a slice of it.
+
+A bf16 product over a slice of the buffers takes a slow path on the CPU: 111 ns per key and row
+against 57 ns over the whole buffer (8 rows, 5k keys, 2 cores, Intel Xeon, 2026-11-26;
+`benchmarks/ragged_history.py`)."""
+
 
 def history_split(starts: list[int], length: int) -> int:
     """The column from which every row's keys are read together (see `_ragged_matmul_attention`).
 
     Rows whose history starts before it read their earlier keys apart, one row at a time. Chosen to
-    minimise `rows x (length - cut) + sum over earlier rows of (cut - start + SPLIT_OVERHEAD_KEYS)`.
+    minimise `rows x (length - cut) + sum over earlier rows of (cut - start + SPLIT_OVERHEAD_KEYS)`,
+    where cut 0 (the whole buffer, no slice) costs `WHOLE_READ_COST x rows x length`.
     """
-    def cost(cut: int) -> int:
+    def cost(cut: int) -> float:
+        if cut == 0:
+            return WHOLE_READ_COST * len(starts) * length
         return len(starts) * (length - cut) + sum(cut - s + SPLIT_OVERHEAD_KEYS for s in starts if s < cut)
 
-    return min(sorted(set(starts)), key=cost)
+    return min(sorted({0, *starts}), key=cost)
 
 
 def _ragged_matmul_attention(q, k, v, mask=None, scale=None):
@@ -222,12 +241,17 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out_p, lse_p = (_matmul_attention if few else _flash)(qg, pk, pv, scale=scaling)
     out_p = out_p.reshape(hkv, b, rep, lq, d).transpose(0, 1).reshape(b, h, lq, d)
     lse_p = lse_p.reshape(hkv, b, rep, lq).transpose(0, 1).reshape(b, h, lq).float()
-    if key.shape[-2] == 0:
+    mask = None if attention_mask is None else attention_mask[..., plen:]
+    filled = key.shape[-2] if mask is None else mask.shape[-1]  # a BufferedLayer's whole buffer is longer
+    if filled == 0:
         out = out_p
     else:
-        mask = None if attention_mask is None else attention_mask[..., plen:]
         if mask is None and lq > 1:  # causal, the queries being the suffix's last lq positions
-            mask = torch.ones(lq, key.shape[-2], dtype=torch.bool).tril(key.shape[-2] - lq)[None, None]
+            mask = torch.ones(lq, filled, dtype=torch.bool).tril(filled - lq)[None, None]
+        if key.shape[-2] > filled and not (few and mask is not None and mask.dtype == torch.bool):
+            key, value = key[:, :, :filled], value[:, :, :filled]  # long query blocks: the filled part only
+        elif key.shape[-2] > filled:  # read the whole buffer (fast), its unused tail masked
+            mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], key.shape[-2] - filled)], dim=-1)
         if few and (mask is None or mask.dtype == torch.bool):
             out_s, lse_s = _ragged_matmul_attention(query, key, value, mask, scale=scaling)
         else:
