@@ -157,13 +157,17 @@ def _matmul_attention(q, k, v, mask=None, scale=None):
     hkv = k.shape[1]
     rep = h // hkv
     qg = q.reshape(b, hkv, rep * lq, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d**-0.5 if scale is None else scale)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(d**-0.5 if scale is None else scale)
     if mask is not None:
         keep = mask.expand(b, 1, lq, -1)[:, :, None].expand(b, 1, rep, lq, -1).reshape(b, 1, rep * lq, -1)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.clamp(min=-1e30)[..., None]).to(v.dtype)  # a fully masked row: 0
-    out = torch.matmul(probs, v)
+        scores.masked_fill_(~keep, float("-inf"))
+    # softmax by hand, normalised after the product: one pass over the scores fewer than logsumexp and
+    # then exp(scores - lse) (measured: logsumexp was 30% of a decoding step's attention)
+    top = scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)  # a fully masked row: finite, its sum 0
+    weights = scores.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights.to(v.dtype), v).float().div_(total.clamp(min=1e-30)).to(v.dtype)
+    lse = (top + total.log()).squeeze(-1)  # -inf where the row sees nothing
     return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
 
 
