@@ -167,3 +167,53 @@ def test_cascade_over_whole_buffers_equals_attention_over_the_filled_part(lq):
         out, _ = cascade_attention(_Layer(), q, keys, values, mask, scaling=d**-0.5)
     ref = _cascade_matches_concatenation(q, pk, pv, k, v, mask, torch.float32)
     assert torch.allclose(out, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_buffers_with_a_long_rows_early_keys_read_apart_equal_attention_over_the_filled_part(dtype):
+    torch.manual_seed(6)
+    b, h, hkv, plen, s, d = 4, 6, 2, 5, 6000, 16
+    q = torch.randn(b, h, 1, d, dtype=dtype)
+    pk, pv = torch.randn(1, hkv, plen, d, dtype=dtype), torch.randn(1, hkv, plen, d, dtype=dtype)
+    layer = BufferedLayer(capacity=s + 50, offset=plen)
+    k, v = torch.randn(b, hkv, s, d, dtype=dtype), torch.randn(b, hkv, s, d, dtype=dtype)
+    keys, values = layer.update(k, v)
+    mask = torch.zeros(b, 1, 1, plen + s, dtype=torch.bool)
+    mask[..., :plen] = True
+    for row, start in enumerate([0, 5500, 5600, 5700]):
+        mask[row, ..., plen + start:] = True
+    assert history_split([0, 5500, 5600, 5700], s + 50) == 5500  # the late part includes the free tail
+    with shared_prefix([(pk, pv)]):
+        out, _ = cascade_attention(_Layer(), q, keys, values, mask, scaling=d**-0.5)
+    ref = _cascade_matches_concatenation(q, pk, pv, k, v, mask, dtype)
+    assert torch.allclose(out.float(), ref.float(), atol=1e-6 if dtype == torch.float32 else 2e-2)
+
+
+def test_whole_buffers_without_a_mask_see_only_the_filled_part():
+    torch.manual_seed(7)
+    b, hkv, plen, filled, d = 2, 2, 3, 9, 8
+    q = torch.randn(b, 4, 1, d)
+    pk, pv = torch.randn(1, hkv, plen, d), torch.randn(1, hkv, plen, d)
+    layer = BufferedLayer(capacity=filled + 6, offset=plen)
+    k, v = torch.randn(b, hkv, filled, d), torch.randn(b, hkv, filled, d)
+    keys, values = layer.update(k, v)
+    with shared_prefix([(pk, pv)]):
+        out, _ = cascade_attention(_Layer(), q, keys, values, None, scaling=d**-0.5)
+        ref, _ = cascade_attention(_Layer(), q, k, v, None, scaling=d**-0.5)
+        with pytest.raises(ValueError, match="the attention mask covers 10 positions; the shared prefix and the "
+                                             "cache hold 12"):
+            cascade_attention(_Layer(), q, keys, values, torch.ones(b, 1, 1, plen + filled - 2, dtype=torch.bool))
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_matmul_attention_without_keys_sees_nothing_and_fp16_sums_stay_finite():
+    from trace_lib.agent.kvcache import _matmul_attention
+
+    q = torch.randn(2, 4, 1, 8)
+    out, lse = _matmul_attention(q, torch.zeros(2, 2, 0, 8), torch.zeros(2, 2, 0, 8))
+    assert not out.any() and torch.isneginf(lse).all() and out.shape == (2, 4, 1, 8)
+    # 5k keys of equal score and values near fp16's limit / 100: unnormalised sums would overflow
+    k = torch.zeros(1, 1, 5000, 8, dtype=torch.float16)
+    v = torch.full((1, 1, 5000, 8), 600.0, dtype=torch.float16)
+    out, _ = _matmul_attention(torch.zeros(1, 2, 1, 8, dtype=torch.float16), k, v)
+    assert torch.isfinite(out).all() and torch.allclose(out.float(), torch.full_like(out.float(), 600.0), rtol=1e-2)

@@ -29,6 +29,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 CASCADE = "trace_cascade"
+FILLED = "trace_filled"
+"""Attribute of the keys a `BufferedLayer` returns as its whole buffer: the filled length."""
 _SHARED: ContextVar[list[tuple[torch.Tensor, torch.Tensor]] | None] = ContextVar("trace_shared_prefix", default=None)
 
 
@@ -83,7 +85,9 @@ class BufferedLayer(DynamicLayer):
         self._n = n + q
         self._refresh()
         if self.whole_buffers:
-            return self._kt.transpose(-1, -2), self._v
+            keys, values = self._kt.transpose(-1, -2), self._v
+            setattr(keys, FILLED, self._n)  # how much of the buffer is filled, for cascade_attention
+            return keys, values
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -156,6 +160,8 @@ def _matmul_attention(q, k, v, mask=None, scale=None):
     b, h, lq, d = q.shape
     hkv = k.shape[1]
     rep = h // hkv
+    if k.shape[-2] == 0:  # no keys (a split whose late part is empty): nothing seen
+        return q.new_zeros(b, h, lq, v.shape[-1]), q.new_full((b, h, lq), float("-inf"), dtype=torch.float32)
     qg = q.reshape(b, hkv, rep * lq, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(d**-0.5 if scale is None else scale)
     if mask is not None:
@@ -166,8 +172,11 @@ def _matmul_attention(q, k, v, mask=None, scale=None):
     top = scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)  # a fully masked row: finite, its sum 0
     weights = scores.sub_(top).exp_()
     total = weights.sum(dim=-1, keepdim=True)
-    out = torch.matmul(weights.to(v.dtype), v).float().div_(total.clamp(min=1e-30)).to(v.dtype)
     lse = (top + total.log()).squeeze(-1)  # -inf where the row sees nothing
+    if v.dtype == torch.float16:  # unnormalised sums can pass fp16's range (65504): normalise first
+        out = torch.matmul(weights.div_(total.clamp(min=1e-30)).to(v.dtype), v)
+    else:
+        out = torch.matmul(weights.to(v.dtype), v).float().div_(total.clamp(min=1e-30)).to(v.dtype)
     return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
 
 
@@ -246,11 +255,14 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out_p = out_p.reshape(hkv, b, rep, lq, d).transpose(0, 1).reshape(b, h, lq, d)
     lse_p = lse_p.reshape(hkv, b, rep, lq).transpose(0, 1).reshape(b, h, lq).float()
     mask = None if attention_mask is None else attention_mask[..., plen:]
-    filled = key.shape[-2] if mask is None else mask.shape[-1]  # a BufferedLayer's whole buffer is longer
+    filled = getattr(key, FILLED, key.shape[-2])  # a BufferedLayer's whole buffer is longer than its filled part
+    if mask is not None and mask.shape[-1] != filled:
+        raise ValueError(f"the attention mask covers {plen + mask.shape[-1]} positions; the shared prefix and "
+                         f"the cache hold {plen + filled}")
     if filled == 0:
         out = out_p
     else:
-        if mask is None and lq > 1:  # causal, the queries being the suffix's last lq positions
+        if mask is None and (lq > 1 or key.shape[-2] > filled):  # causal: the queries are the last lq positions
             mask = torch.ones(lq, filled, dtype=torch.bool).tril(filled - lq)[None, None]
         if key.shape[-2] > filled and not (few and mask is not None and mask.dtype == torch.bool):
             key, value = key[:, :, :filled], value[:, :, :filled]  # long query blocks: the filled part only
