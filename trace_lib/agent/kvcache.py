@@ -47,15 +47,14 @@ class BufferedLayer(DynamicLayer):
     With `offset` > 0 (the cascade attention) `update` returns the whole buffers, not the filled
     part: a bf16 product over a slice of a buffer (rows `capacity` apart) takes a slow path on the
     CPU, 2-3x the time of the same product over the contiguous buffer (`benchmarks/ragged_history.py`).
-    The unused tail is zeros, and `cascade_attention` masks it, knowing the filled length from its
-    mask. `keys` and `values` stay the filled part.
+    The unused tail is zeros; the keys carry the filled length (attribute `FILLED`), from which
+    `cascade_attention` masks the tail. `keys` and `values` stay the filled part.
     """
 
     def __init__(self, capacity: int, offset: int = 0) -> None:
         super().__init__()
         self.capacity = capacity
         self.offset = offset
-        self.whole_buffers = offset > 0
         self._n = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -84,7 +83,7 @@ class BufferedLayer(DynamicLayer):
         self._v[:, :, n : n + q] = value_states
         self._n = n + q
         self._refresh()
-        if self.whole_buffers:
+        if self.offset:  # the cascade attention: the whole buffers
             keys, values = self._kt.transpose(-1, -2), self._v
             setattr(keys, FILLED, self._n)  # how much of the buffer is filled, for cascade_attention
             return keys, values
@@ -173,10 +172,11 @@ def _matmul_attention(q, k, v, mask=None, scale=None):
     weights = scores.sub_(top).exp_()
     total = weights.sum(dim=-1, keepdim=True)
     lse = (top + total.log()).squeeze(-1)  # -inf where the row sees nothing
+    norm = total.clamp_(min=1e-30)
     if v.dtype == torch.float16:  # unnormalised sums can pass fp16's range (65504): normalise first
-        out = torch.matmul(weights.div_(total.clamp(min=1e-30)).to(v.dtype), v)
+        out = torch.matmul(weights.div_(norm).to(v.dtype), v)
     else:
-        out = torch.matmul(weights.to(v.dtype), v).float().div_(total.clamp(min=1e-30)).to(v.dtype)
+        out = torch.matmul(weights.to(v.dtype), v).float().div_(norm).to(v.dtype)
     return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
 
 
@@ -264,11 +264,12 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     else:
         if mask is None and (lq > 1 or key.shape[-2] > filled):  # causal: the queries are the last lq positions
             mask = torch.ones(lq, filled, dtype=torch.bool).tril(filled - lq)[None, None]
-        if key.shape[-2] > filled and not (few and mask is not None and mask.dtype == torch.bool):
-            key, value = key[:, :, :filled], value[:, :, :filled]  # long query blocks: the filled part only
-        elif key.shape[-2] > filled:  # read the whole buffer (fast), its unused tail masked
+        products = few and (mask is None or mask.dtype == torch.bool)  # else the flash kernel
+        if key.shape[-2] > filled and products:  # read the whole buffer (fast), its unused tail masked
             mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], key.shape[-2] - filled)], dim=-1)
-        if few and (mask is None or mask.dtype == torch.bool):
+        elif key.shape[-2] > filled:  # long query blocks: the filled part only
+            key, value = key[:, :, :filled], value[:, :, :filled]
+        if products:
             out_s, lse_s = _ragged_matmul_attention(query, key, value, mask, scale=scaling)
         else:
             ks, vs = repeat_kv(key, rep), repeat_kv(value, rep)
