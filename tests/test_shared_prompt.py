@@ -7,7 +7,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from trace_lib.agent.policy import load_policy
-from trace_lib.training.shared_prompt import grouped_logps, prompt_groups
+import trace_lib.training.shared_prompt as shared_prompt
+from trace_lib.training.shared_prompt import Span, grouped_logps, leaf_batches, shared_spans
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +48,26 @@ def _row_by_row(model, ids, mask, width):
     return torch.stack(out)
 
 
-def test_prompt_groups_ignore_padding():
-    ids = torch.tensor([[0, 5, 6], [5, 6, 7], [0, 5, 6], [9, 5, 6]])
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])
-    assert prompt_groups(ids, mask) == [[0, 2], [1], [3]]
+def test_shared_spans_form_a_prefix_tree():
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6, 7], [1, 2, 9], [1, 2, 3, 4], [8], []]
+    assert shared_spans(seqs) == [
+        Span((0, 1, 2, 3), 0, 2, -1),  # all of rows 0-3 start with 1, 2
+        Span((0, 1, 3), 2, 4, 0),  # row 3 ends here: its tokens are all shared
+        Span((0,), 4, 5, 1), Span((1,), 4, 6, 1),
+        Span((2,), 2, 3, 0),
+        Span((4,), 0, 1, -1)]  # row 5 has no tokens, hence no span
+
+
+def test_shared_spans_stop_sharing_where_told():
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4]]
+    assert shared_spans(seqs, share_until=[2, 2, 2]) == [
+        Span((0, 1, 2), 0, 2, -1), Span((0,), 2, 4, 0), Span((1,), 2, 4, 0), Span((2,), 2, 4, 0)]
+    # every row's tokens are covered once, parents first
+    for spans in (shared_spans(seqs), shared_spans(seqs, [2, 3, 1])):
+        for r, seq in enumerate(seqs):
+            path = [s for s in spans if r in s.rows]
+            assert [t for s in path for t in range(s.start, s.end)] == list(range(len(seq)))
+            assert all(spans.index(s) > s.parent for s in path)
 
 
 def test_grouped_logps_and_gradients_equal_the_row_by_row_pass(lora_model):
@@ -93,3 +110,44 @@ def test_grouped_logps_skip_groups_with_nothing_to_score(lora_model):
     score[:3] = 0
     logps, _ = grouped_logps(lora_model, ids, mask, width, score)
     assert bool((logps[:3] == 0).all()) and bool((logps[3:][score[3:].bool()] != 0).all())
+
+
+def _batch_with_common_starts():
+    """`_batch`, but each group's completions start alike: group 1's three rows share their first 3 tokens
+    (row 1, 3 long, is all shared), group 2's share 2 tokens, and row 5 of group 2 is only 3 long."""
+    ids, mask, width, score = _batch()
+    ids[1, 7:10] = ids[0, 7:10]
+    ids[2, 7:10] = ids[0, 7:10]
+    ids[4, 7:9] = ids[3, 7:9]
+    ids[5, 7:9] = ids[3, 7:9]
+    mask[5, 7:10], ids[5, 9] = 1, 77
+    score[5] = mask[5, 7:]
+    score[:3, 1] = torch.tensor([1, 0, 0])  # a common position only one row scores
+    return ids, mask, width, score
+
+
+def test_leaf_batches_join_siblings_whose_padding_costs_less_than_a_call():
+    spans = [Span((0, 1, 2, 3), 0, 10, -1), Span((0,), 10, 400, 0), Span((1,), 10, 50, 0), Span((2,), 10, 300, 0),
+             Span((3,), 10, 20, 0), Span((4,), 0, 30, -1)]
+    assert leaf_batches(spans, call_cost=128) == [[1, 3], [2, 4], [5]]
+    assert leaf_batches(spans, call_cost=0) == [[1], [3], [2], [4], [5]]
+    assert leaf_batches(spans, call_cost=10**6) == [[1, 3, 2, 4], [5]]
+
+
+@pytest.mark.parametrize("call_cost", [0, 128, 10**6])
+def test_shared_completion_starts_give_the_row_by_row_logps_and_gradients(lora_model, monkeypatch, call_cost):
+    monkeypatch.setattr(shared_prompt, "CALL_COST_TOKENS", call_cost)
+    ids, mask, width, score = _batch_with_common_starts()
+    weights = torch.linspace(-1, 1, ids.shape[0])[:, None]
+    params = [p for p in lora_model.parameters() if p.requires_grad]
+    ref = _row_by_row(lora_model, ids, mask, width)
+    ref_grads = torch.autograd.grad((ref * score * weights).sum(), params)
+    for share in (True, False):
+        logps, ent = grouped_logps(lora_model, ids, mask, width, score, compute_entropy=True,
+                                   share_completions=share)
+        grads = torch.autograd.grad((logps * score * weights).sum(), params)
+        assert torch.allclose(logps * score, ref * score, atol=1e-5)
+        assert bool((logps[score == 0] == 0).all())
+        assert ent is not None and bool((ent[score.bool()] > 0).all()) and bool((ent[score == 0] == 0).all())
+        for a, b in zip(grads, ref_grads):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)

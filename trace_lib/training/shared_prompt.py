@@ -1,21 +1,28 @@
-"""Per-token log-probs of GRPO groups with each group's prompt computed once (paper §3.3 training step).
+"""Per-token log-probs of GRPO batches with every stretch of tokens that rows share computed once (paper §3.3
+training step).
 
 Reads and writes nothing; `trainer.AgentGRPOTrainer` calls `grouped_logps` in place of TRL's
 `_get_per_token_logps_and_entropies` for text-only batches.
 
-Why our own: the K rollouts of a GRPO group start with the same prompt (system turn, tool list,
-task), ~650 tokens on a synthetic environment and ~1.8k on retail, while each episode's own part is
-a few hundred tokens. TRL runs every row's prompt through the forward and backward pass again;
-here each distinct prompt runs once (batch 1) with its gradient, and the group's completions
-attend to its keys and values, so the gradient through the prompt is the sum over the group, exactly
-as in the row-by-row computation. Log-probs (and entropies) are computed only at the positions the
-loss reads (the agent's tokens), not at the environment's tokens or padding; elsewhere they are 0,
-which the loss multiplies by a zero mask anyway. `benchmarks/train_step.py` measures it against TRL.
+Why our own: the rows of a GRPO batch repeat one another at length. All start with the same system turn
+and tool list (~650 tokens on a synthetic environment, ~1.8k on retail), the K rows of a group with the
+same task, and most of a group's episodes with the same first tool call and its result (a few hundred
+tokens more), while what is each episode's own is short. TRL runs every row's whole sequence through
+the forward and backward pass, padded to the longest. Here the rows form a prefix tree
+(`shared_spans`): each stretch common to several rows runs once (batch 1) with its gradient, and the
+stretches after it attend to its keys and values, so the gradient through a shared stretch is the sum
+over its rows, exactly as in the row-by-row computation. The rows' own parts that follow the same
+span run as one batch, padded only where the padding costs less than a call (`leaf_batches`). Log-probs (and entropies) are
+computed only at the positions the loss reads (the agent's tokens), once per shared stretch, and
+nothing after a row's last such position runs; elsewhere they are 0, which the loss multiplies by a
+zero mask anyway. `benchmarks/loss_pass.py` and `benchmarks/train_step.py` measure it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -31,24 +38,78 @@ def decoder_and_head(model: Any) -> tuple[Any, Any]:
     return base.model, base.lm_head
 
 
-def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Rows with the same (unpadded) prompt, in order of first appearance."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i in range(prompt_ids.shape[0]):
-        key = tuple(prompt_ids[i][prompt_mask[i].bool()].tolist())
-        groups.setdefault(key, []).append(i)
-    return list(groups.values())
+@dataclass(frozen=True)
+class Span:
+    """Tokens [start, end) of the sequences of `rows`, the same in each, computed once after `parent`'s."""
+
+    rows: tuple[int, ...]
+    start: int
+    end: int
+    parent: int
+    """Index of the span this one continues (-1: it starts the sequences)."""
 
 
-def _common_length(prompts: list[torch.Tensor]) -> int:
-    """Tokens every prompt starts with (at least one token of each prompt is left over)."""
-    n = min(int(p.shape[0]) for p in prompts) - 1
-    first = prompts[0][:n]
-    for p in prompts[1:]:
-        same = (p[:n] == first).long()
-        n = int(same.cumprod(0).sum())
-        first = first[:n]
-    return n
+def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | None = None) -> list[Span]:
+    """The sequences as a prefix tree of spans, each parent before its children; the spans on a row's path
+    cover its tokens once each. Row i shares none of its tokens past `share_until[i]` (default: all may be
+    shared); an empty sequence has no span."""
+    limits = [len(s) if share_until is None else min(len(s), u) for s, u in zip(seqs, share_until or seqs)]
+    spans: list[Span] = []
+
+    def leaf(r: int, start: int, parent: int) -> None:
+        if len(seqs[r]) > start:
+            spans.append(Span((r,), start, len(seqs[r]), parent))
+
+    def visit(rows: list[int], start: int, parent: int) -> None:
+        if len(rows) == 1:
+            return leaf(rows[0], start, parent)
+        cap = min(limits[r] for r in rows)
+        n = len(os.path.commonprefix([list(seqs[r][start:cap]) for r in rows])) if cap > start else 0
+        if n:
+            spans.append(Span(tuple(rows), start, start + n, parent))
+            start, parent = start + n, len(spans) - 1
+        parts: dict[int, list[int]] = {}
+        for r in rows:
+            if len(seqs[r]) <= start:
+                continue  # the row ends here: its tokens are all in the spans above
+            if limits[r] <= start:
+                leaf(r, start, parent)  # shares nothing more
+            else:
+                parts.setdefault(int(seqs[r][start]), []).append(r)
+        for part in parts.values():
+            visit(part, start, parent)
+
+    visit([r for r in range(len(seqs)) if len(seqs[r])], 0, -1)
+    return spans
+
+
+CALL_COST_TOKENS = 128
+"""Padding (token positions) worth one decoder call fewer in the loss pass. A call's fixed cost is ~0.17 s
+forward on 2 cores (8 tokens after a 2.2k-token context; ~0.9 ms per further token, SmolLM2 with LoRA on 7
+modules); running each episode's own part as its own call was 6% slower than padding them into one batch
+(`benchmarks/loss_pass.py`)."""
+
+
+def leaf_batches(spans: Sequence[Span], call_cost: int = CALL_COST_TOKENS) -> list[list[int]]:
+    """The one-row spans (a row's own part) grouped into padded batches: siblings (same parent) only, longest
+    first, each joining its batch while it is at most `call_cost` tokens shorter than the batch's longest."""
+    siblings: dict[int, list[int]] = {}
+    for j, span in enumerate(spans):
+        if len(span.rows) == 1:
+            siblings.setdefault(span.parent, []).append(j)
+    batches: list[list[int]] = []
+    for leaves in siblings.values():
+        leaves = sorted(leaves, key=lambda j: spans[j].start - spans[j].end)  # longest first, stable
+        batch = [leaves[0]]
+        for j in leaves[1:]:
+            longest = spans[batch[0]].end - spans[batch[0]].start
+            if longest - (spans[j].end - spans[j].start) <= call_cost:
+                batch.append(j)
+            else:
+                batches.append(batch)
+                batch = [j]
+        batches.append(batch)
+    return batches
 
 
 def _expand(cache: DynamicCache, k: int) -> DynamicCache:
@@ -79,6 +140,14 @@ def _low_precision(model: Any):
     return stack
 
 
+def _scored_logps(head: Any, before: torch.Tensor, targets: torch.Tensor,
+                  compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of each target token, entropy or None) from the hidden states before them."""
+    log_probs = head(before).float().log_softmax(-1)
+    picked = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    return picked, (-(log_probs.exp() * log_probs).sum(-1)).detach() if compute_entropy else None
+
+
 def grouped_logps(
     model: Any,
     input_ids: torch.Tensor,
@@ -86,53 +155,77 @@ def grouped_logps(
     logits_to_keep: int,
     score_mask: torch.Tensor | None = None,
     compute_entropy: bool = False,
+    share_completions: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs, entropies), each (rows, logits_to_keep), of the completion tokens.
 
     `input_ids` rows are [left-padded prompt | right-padded completion] as TRL builds them;
     `score_mask` (rows, logits_to_keep) marks the positions to score (default: the completion's
-    attention mask); other positions are 0. The tokens all prompts share (the system turn and tool
-    list) run once for the whole batch, each group's own rest of the prompt once per group.
+    attention mask); other positions are 0. Every stretch several rows start with runs once
+    (`shared_spans`); without `share_completions` only prompt tokens are shared and each row's completion
+    runs on its own (a group's episodes usually share their first tool call and its result).
     """
     decoder, head = decoder_and_head(model)
     width = input_ids.shape[1] - logits_to_keep
-    prompts, completions = input_ids[:, :width], input_ids[:, width:]
-    p_mask, c_mask = attention_mask[:, :width], attention_mask[:, width:]
+    p_mask, c_mask = attention_mask[:, :width].bool(), attention_mask[:, width:]
     score = (c_mask if score_mask is None else score_mask * c_mask).bool()
     logps = torch.zeros(score.shape, dtype=torch.float32, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
-    groups = [rows for rows in prompt_groups(prompts, p_mask) if bool(score[rows].any())]
-    if not groups:
+    plens = p_mask.sum(-1).tolist()
+    seqs, scored = [], []  # each row's prompt + completion up to its last scored token; scored positions
+    for i in range(input_ids.shape[0]):
+        cols = score[i].nonzero().flatten()
+        end = int(cols[-1]) + 1 if len(cols) else 0
+        seqs.append(torch.cat([input_ids[i, :width][p_mask[i]], input_ids[i, width:width + end]]) if end else
+                    input_ids.new_zeros(0))
+        scored.append(torch.cat([score.new_zeros(plens[i]), score[i, :end]]) if end else score.new_zeros(0))
+    spans = shared_spans([s.tolist() for s in seqs], None if share_completions else plens)
+    if not spans:
         return logps, entropies
-    unpadded = [prompts[rows[0]][p_mask[rows[0]].bool()] for rows in groups]
+    # units of work: a shared span alone (batch 1), the rows' own parts in padded batches of siblings
+    batch_of = {j: batch for batch in leaf_batches(spans, CALL_COST_TOKENS) for j in batch}
+    units = [batch_of.get(j, [j]) for j in range(len(spans)) if j not in batch_of or batch_of[j][0] == j]
+    caches: dict[int, DynamicCache] = {}
+    last: dict[int, torch.Tensor] = {}  # a shared span's last hidden state: it predicts its children's first token
+    at_rows, at_cols, values, ents = [], [], [], []
     with _low_precision(model):
-        shared_len = _common_length(unpadded) if len(groups) > 1 else 0
-        shared = DynamicCache()
-        if shared_len:
-            decoder(input_ids=unpadded[0][None, :shared_len], past_key_values=shared, use_cache=True)
-        for rows, prompt in zip(groups, unpadded):
-            k, plen = len(rows), prompt.shape[0]
-            cache = _expand(shared, 1) if shared_len else DynamicCache()
-            hidden_p = decoder(input_ids=prompt[None, shared_len:], past_key_values=cache, use_cache=True,
-                               position_ids=torch.arange(shared_len, plen, device=prompt.device)[None],
-                               ).last_hidden_state
-            length = int(c_mask[rows].sum(-1).max())  # completions are right-padded
-            mask = torch.cat([c_mask.new_ones(k, plen), c_mask[rows, :length]], dim=1)
-            positions = torch.arange(plen, plen + length, device=input_ids.device)[None].expand(k, -1)
-            hidden_c = decoder(input_ids=completions[rows, :length], attention_mask=mask, position_ids=positions,
-                               past_key_values=_expand(cache, k), use_cache=True).last_hidden_state
-            # the hidden state before token t predicts it: the prompt's last one for t = 0
-            before = torch.cat([hidden_p[:, -1:].expand(k, -1, -1), hidden_c[:, :-1]], dim=1)
-            where = score[rows, :length]
-            logits = head(before[where]).float()
-            log_probs = logits.log_softmax(-1)
-            targets = completions[rows, :length][where]
-            picked = log_probs.gather(-1, targets[:, None]).squeeze(-1)
-            index = torch.tensor(rows, device=input_ids.device)
-            row_of = index[:, None].expand(-1, length)[where]
-            col_of = torch.arange(length, device=input_ids.device)[None].expand(k, -1)[where]
-            logps = logps.index_put((row_of, col_of), picked)
-            if entropies is not None:
-                ent = -(log_probs.exp() * log_probs).sum(-1)
-                entropies = entropies.index_put((row_of, col_of), ent.detach())
+        for unit in units:
+            members = [spans[j] for j in unit]
+            start, parent, b = members[0].start, members[0].parent, len(unit)
+            lens = [m.end - start for m in members]
+            width_u = max(lens)
+            ids = input_ids.new_zeros(b, width_u)
+            for i, m in enumerate(members):
+                ids[i, :lens[i]] = seqs[m.rows[0]][start:m.end]
+            valid = torch.arange(width_u, device=ids.device)[None] < torch.tensor(lens, device=ids.device)[:, None]
+            mask = None if min(lens) == width_u else torch.cat([valid.new_ones(b, start), valid], dim=1).long()
+            cache = _expand(caches[parent], b) if parent >= 0 else DynamicCache()
+            positions = torch.arange(start, start + width_u, device=ids.device)[None].expand(b, -1)
+            hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+            if b == 1 and len(members[0].rows) > 1:  # a shared span: the spans after it continue from it
+                caches[unit[0]], last[unit[0]] = cache, hidden[:, -1:]
+            # the hidden state before token t predicts it; a span's first token, its parent's last one (a
+            # sequence's first token is a prompt token, never scored)
+            first = last[parent].expand(b, -1, -1) if parent >= 0 else hidden[:, :1]
+            before = torch.cat([first, hidden[:, :-1]], dim=1)
+            wanted = [[torch.nn.functional.pad(scored[r][start:m.end], (0, width_u - lens[i])) for r in m.rows]
+                      for i, m in enumerate(members)]
+            any_row = torch.stack([torch.stack(w).any(0) for w in wanted])  # (b, width_u)
+            if not bool(any_row.any()):
+                continue
+            picked, ent = _scored_logps(head, before[any_row], ids[any_row], compute_entropy)
+            slot = (any_row.flatten().long().cumsum(0) - 1).view(b, width_u)
+            for i, m in enumerate(members):
+                for r, want in zip(m.rows, wanted[i]):
+                    pos = want.nonzero().flatten()
+                    at_rows.append(torch.full_like(pos, r))
+                    at_cols.append(pos + start - plens[r])
+                    values.append(picked[slot[i, pos]])
+                    if ent is not None:
+                        ents.append(ent[slot[i, pos]])
+    at = (torch.cat(at_rows), torch.cat(at_cols))
+    logps = logps.index_put(at, torch.cat(values))
+    if entropies is not None:
+        entropies = entropies.index_put(at, torch.cat(ents))
     return logps, entropies

@@ -1,0 +1,261 @@
+"""GRPO's loss pass three ways on the same recorded batches: prefix tree, prompts-only tree, padded groups.
+
+Records the loss pass's inputs of a short GRPO run (the train stage's code, as `train_step.py --rows ours`:
+template environment of `--capability`, the cpu profile's groups, bf16 base weights), then times forward +
+backward on each recorded batch once per way per round, the order of the ways rotating, for `--rounds`
+rounds:
+
+    tree          `training/shared_prompt.grouped_logps`: every stretch rows share runs once, the rows' own
+                  parts after it in padded batches where the padding costs less than a call
+    prompt-tree   the same with `share_completions=False`: only prompt tokens are shared
+    padded        the pass before prefix trees (`padded_groups_logps` below): the prompt tokens all rows
+                  share once, each group's prompt once, each group's completions one batch padded to its
+                  longest
+
+The loss is the log-probs times fixed per-row weights (both signs, like advantages), on a freshly initialised
+LoRA adapter with non-zero B, so every LoRA weight gets a gradient. Also reported per batch: the token
+positions each way runs through the decoder, and how far each tree's log-probs and gradients are from the
+padded pass's (the largest log-prob difference; the largest over LoRA tensors of the gradient difference's
+norm over the gradient's norm). bf16 rounds differently in other batch shapes, so the prompt-only tree,
+which computes the same as the padded pass but for the batch shapes, gives the floor; fp32 agreement
+is a unit test.
+
+    .venv/bin/python benchmarks/loss_pass.py --iterations 2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import trace_lib.training.trainer as trainer_mod
+from trace_lib.config import load_params
+from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
+from trace_lib.synth.synthesize import target_spec
+from trace_lib.synth.templates import render_template_module
+from trace_lib.training.budget import RolloutLedger
+from trace_lib.training.grpo import TrainSource
+from transformers.cache_utils import DynamicCache
+
+from trace_lib.training.shared_prompt import (CALL_COST_TOKENS, _expand, _low_precision, decoder_and_head,
+                                             grouped_logps, leaf_batches, shared_spans)
+
+
+def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path) -> list[dict]:
+    """The inputs of every loss pass (calls with gradients) of a GRPO run of `iterations`."""
+    params = load_params("params.yaml")
+    cfg = params.train.model_copy(update={"iterations": iterations, "save_every": iterations, "snapshots": False,
+                                          "shared_prompt": True, "dtype": "bfloat16"})
+    batches: list[dict] = []
+    real = trainer_mod.grouped_logps
+
+    def recording(model, input_ids, attention_mask, logits_to_keep, score_mask=None, compute_entropy=False):
+        if torch.is_grad_enabled():
+            batches.append({"input_ids": input_ids.clone(), "attention_mask": attention_mask.clone(),
+                            "logits_to_keep": logits_to_keep,
+                            "score_mask": None if score_mask is None else score_mask.clone()})
+        return real(model, input_ids, attention_mask, logits_to_keep, score_mask, compute_entropy)
+
+    module = tmp / "env.py"
+    module.write_text(render_template_module(capability, target_spec(params.env), params.synthesize.difficulty))
+    trainer_mod.grouped_logps = recording
+    try:
+        with SandboxProcess(module, SandboxLimits(timeout_s=30, cpu_s=3600, memory_mb=2048)) as box:
+            source = TrainSource(capability, lambda: SyntheticEnv(box, params.env, max_steps=cfg.max_steps_per_episode),
+                                 lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty,
+                                                               "train"))
+            trainer_mod.train_adapter_mixture(model_dir, [source], cfg, tmp / "adapter", seed=params.seed,
+                                              ledger=RolloutLedger(tmp / "ledger.jsonl"), name="loss_pass")
+    finally:
+        trainer_mod.grouped_logps = real
+    return batches
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Rows with the same (unpadded) prompt, in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in range(prompt_ids.shape[0]):
+        key = tuple(prompt_ids[i][prompt_mask[i].bool()].tolist())
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _common_length(prompts: list[torch.Tensor]) -> int:
+    """Tokens every prompt starts with (at least one token of each prompt is left over)."""
+    n = min(int(p.shape[0]) for p in prompts) - 1
+    first = prompts[0][:n]
+    for p in prompts[1:]:
+        same = (p[:n] == first).long()
+        n = int(same.cumprod(0).sum())
+        first = first[:n]
+    return n
+
+
+def padded_groups_logps(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    score_mask: torch.Tensor | None = None,
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss pass before prefix trees (trace at 31da80f, kept here as the peer): the prompt tokens all
+    rows share once, each group's rest of its prompt once, each group's completions as one batch padded to
+    its longest, every completion token up to the longest run."""
+    decoder, head = decoder_and_head(model)
+    width = input_ids.shape[1] - logits_to_keep
+    prompts, completions = input_ids[:, :width], input_ids[:, width:]
+    p_mask, c_mask = attention_mask[:, :width], attention_mask[:, width:]
+    score = (c_mask if score_mask is None else score_mask * c_mask).bool()
+    logps = torch.zeros(score.shape, dtype=torch.float32, device=input_ids.device)
+    entropies = torch.zeros_like(logps) if compute_entropy else None
+    groups = [rows for rows in prompt_groups(prompts, p_mask) if bool(score[rows].any())]
+    if not groups:
+        return logps, entropies
+    unpadded = [prompts[rows[0]][p_mask[rows[0]].bool()] for rows in groups]
+    with _low_precision(model):
+        shared_len = _common_length(unpadded) if len(groups) > 1 else 0
+        shared = DynamicCache()
+        if shared_len:
+            decoder(input_ids=unpadded[0][None, :shared_len], past_key_values=shared, use_cache=True)
+        for rows, prompt in zip(groups, unpadded):
+            k, plen = len(rows), prompt.shape[0]
+            cache = _expand(shared, 1) if shared_len else DynamicCache()
+            hidden_p = decoder(input_ids=prompt[None, shared_len:], past_key_values=cache, use_cache=True,
+                               position_ids=torch.arange(shared_len, plen, device=prompt.device)[None],
+                               ).last_hidden_state
+            length = int(c_mask[rows].sum(-1).max())  # completions are right-padded
+            mask = torch.cat([c_mask.new_ones(k, plen), c_mask[rows, :length]], dim=1)
+            positions = torch.arange(plen, plen + length, device=input_ids.device)[None].expand(k, -1)
+            hidden_c = decoder(input_ids=completions[rows, :length], attention_mask=mask, position_ids=positions,
+                               past_key_values=_expand(cache, k), use_cache=True).last_hidden_state
+            # the hidden state before token t predicts it: the prompt's last one for t = 0
+            before = torch.cat([hidden_p[:, -1:].expand(k, -1, -1), hidden_c[:, :-1]], dim=1)
+            where = score[rows, :length]
+            logits = head(before[where]).float()
+            log_probs = logits.log_softmax(-1)
+            targets = completions[rows, :length][where]
+            picked = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+            index = torch.tensor(rows, device=input_ids.device)
+            row_of = index[:, None].expand(-1, length)[where]
+            col_of = torch.arange(length, device=input_ids.device)[None].expand(k, -1)[where]
+            logps = logps.index_put((row_of, col_of), picked)
+            if entropies is not None:
+                ent = -(log_probs.exp() * log_probs).sum(-1)
+                entropies = entropies.index_put((row_of, col_of), ent.detach())
+    return logps, entropies
+
+
+WAYS = ("tree", "prompt-tree", "padded")
+
+
+def decoder_tokens(batch: dict, way: str) -> int:
+    """Token positions the decoder runs for one batch, each way, padding included."""
+    ids, mask, n = batch["input_ids"], batch["attention_mask"], batch["logits_to_keep"]
+    width = ids.shape[1] - n
+    score = mask[:, width:] if batch["score_mask"] is None else batch["score_mask"] * mask[:, width:]
+    if way == "padded":
+        groups = prompt_groups(ids[:, :width], mask[:, :width])
+        prompts = [ids[rows[0], :width][mask[rows[0], :width].bool()] for rows in groups]
+        shared = _common_length(prompts) if len(groups) > 1 else 0
+        return shared + sum(len(p) - shared + len(rows) * int(mask[rows, width:].sum(-1).max())
+                            for rows, p in zip(groups, prompts))
+    seqs, plens = [], []
+    for i in range(ids.shape[0]):
+        cols = score[i].nonzero().flatten()
+        end = int(cols[-1]) + 1 if len(cols) else 0
+        plens.append(int(mask[i, :width].sum()))
+        seqs.append((ids[i, :width][mask[i, :width].bool()].tolist() + ids[i, width:width + end].tolist())
+                    if end else [])
+    spans = shared_spans(seqs, None if way == "tree" else plens)
+    shared = sum(s.end - s.start for s in spans if len(s.rows) > 1)
+    return shared + sum(len(b) * max(spans[j].end - spans[j].start for j in b)
+                        for b in leaf_batches(spans, CALL_COST_TOKENS))
+
+
+def timed_pass(model, batch: dict, weights: torch.Tensor, way: str) -> tuple[float, torch.Tensor, list]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    args = (model, batch["input_ids"], batch["attention_mask"], batch["logits_to_keep"], batch["score_mask"])
+    t0 = time.perf_counter()
+    if way == "padded":
+        logps, _ = padded_groups_logps(*args)
+    else:
+        logps, _ = grouped_logps(*args, share_completions=way == "tree")
+    grads = torch.autograd.grad((logps * weights[:, None]).sum(), params)
+    return time.perf_counter() - t0, logps.detach(), grads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", default="data/model")
+    ap.add_argument("--capability", default="communicate_result")
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument("--batches", default="", help="a torch file of recorded batches: read if it exists, "
+                                                  "else written after recording")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.batches and Path(args.batches).exists():
+        batches = torch.load(args.batches)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            batches = record_batches(Path(args.model_dir), args.capability, args.iterations, Path(tmp))
+        if args.batches:
+            torch.save(batches, args.batches)
+    if not batches:
+        raise SystemExit("no loss pass ran (every group had equal rewards): try more --iterations")
+    params = load_params("params.yaml")
+    cfg = params.train.model_copy(update={"dtype": "bfloat16"})
+    policy, _ = trainer_mod.load_trainable(Path(args.model_dir), cfg, "trl", params.seed)
+    model = policy.model.train()
+    torch.manual_seed(0)
+    with torch.no_grad():  # B = 0 at init: give the adapter an output so both LoRA factors get gradients
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    results = []
+    for b, batch in enumerate(batches):
+        rows = batch["input_ids"].shape[0]
+        weights = torch.linspace(-1, 1, rows)
+        seconds: dict[str, list[float]] = {w: [] for w in WAYS}
+        out: dict[str, tuple] = {}
+        for r in range(args.rounds):
+            for way in WAYS[r % 3:] + WAYS[:r % 3]:
+                s, logps, grads = timed_pass(model, batch, weights, way)
+                seconds[way].append(s)
+                out[way] = (logps, grads)
+        def apart(way: str) -> tuple[float, float]:  # largest |logp difference|, gradient difference / norm
+            diff = (out[way][0] - out["padded"][0]).abs().max()
+            rel = max(float((a - c).norm() / c.norm().clamp_min(1e-12)) for a, c in zip(out[way][1], out["padded"][1]))
+            return round(float(diff), 4), round(rel, 4)
+
+        score = batch["score_mask"]
+        results.append({
+            "batch": b, "rows": rows, "scored_tokens": None if score is None else int(score.sum()),
+            **{f"decoder_tokens_{w}": decoder_tokens(batch, w) for w in WAYS},
+            **{f"seconds_{w}": [round(x, 2) for x in seconds[w]] for w in WAYS},
+            **{f"{w}_vs_padded_logp_grad": apart(w) for w in ("tree", "prompt-tree")}})
+        print(json.dumps(results[-1]), flush=True)
+    med = {w: sum(sorted(r[f"seconds_{w}"])[len(r[f"seconds_{w}"]) // 2] for r in results) for w in WAYS}
+    print(f"\ncapability={args.capability} batches={len(batches)} rounds={args.rounds} threads={args.threads} "
+          f"torch={torch.__version__}")
+    print("| way | decoder token positions | s (sum of per-batch medians) | vs padded |")
+    print("| --- | ---: | ---: | ---: |")
+    for w in WAYS:
+        tokens = sum(r[f"decoder_tokens_{w}"] for r in results)
+        print(f"| {w} | {tokens} | {med[w]:.2f} | {med[w] / med['padded']:.2f}x |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
