@@ -56,6 +56,7 @@ def test_shared_spans_form_a_prefix_tree():
         Span((0,), 4, 5, 1), Span((1,), 4, 6, 1),
         Span((2,), 2, 3, 0),
         Span((4,), 0, 1, -1)]  # row 5 has no tokens, hence no span
+    assert shared_spans([[], []]) == []
 
 
 def test_shared_spans_stop_sharing_where_told():
@@ -151,3 +152,12 @@ def test_shared_completion_starts_give_the_row_by_row_logps_and_gradients(lora_m
         assert ent is not None and bool((ent[score.bool()] > 0).all()) and bool((ent[score == 0] == 0).all())
         for a, b in zip(grads, ref_grads):
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_nothing_to_score_gives_zeros_and_an_empty_prompt_is_refused(lora_model):
+    ids, mask, width, score = _batch()
+    logps, ent = grouped_logps(lora_model, ids, mask, width, torch.zeros_like(score), compute_entropy=True)
+    assert bool((logps == 0).all()) and ent is not None and bool((ent == 0).all())
+    mask[0, :7] = 0
+    with pytest.raises(ValueError, match="empty prompt"):
+        grouped_logps(lora_model, ids, mask, width, score)

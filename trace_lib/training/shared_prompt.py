@@ -12,10 +12,10 @@ the forward and backward pass, padded to the longest. Here the rows form a prefi
 (`shared_spans`): each stretch common to several rows runs once (batch 1) with its gradient, and the
 stretches after it attend to its keys and values, so the gradient through a shared stretch is the sum
 over its rows, exactly as in the row-by-row computation. The rows' own parts that follow the same
-span run as one batch, padded only where the padding costs less than a call (`leaf_batches`). Log-probs (and entropies) are
-computed only at the positions the loss reads (the agent's tokens), once per shared stretch, and
-nothing after a row's last such position runs; elsewhere they are 0, which the loss multiplies by a
-zero mask anyway. `benchmarks/loss_pass.py` and `benchmarks/train_step.py` measure it.
+span run as one batch, padded only where the padding costs less than a call (`leaf_batches`).
+Log-probs (and entropies) are computed only at the positions the loss reads (the agent's tokens),
+once per shared stretch, and nothing after a row's last such position runs; elsewhere they are 0,
+which the loss multiplies by a zero mask anyway. `benchmarks/loss_pass.py` and `benchmarks/train_step.py` measure it.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | Non
             spans.append(Span((r,), start, len(seqs[r]), parent))
 
     def visit(rows: list[int], start: int, parent: int) -> None:
+        if not rows:
+            return
         if len(rows) == 1:
             return leaf(rows[0], start, parent)
         cap = min(limits[r] for r in rows)
@@ -172,6 +174,8 @@ def grouped_logps(
     logps = torch.zeros(score.shape, dtype=torch.float32, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     plens = p_mask.sum(-1).tolist()
+    if any(n == 0 and bool(score[i].any()) for i, n in enumerate(plens)):
+        raise ValueError("a row with tokens to score has an empty prompt: its first token has nothing to predict it")
     seqs, scored = [], []  # each row's prompt + completion up to its last scored token; scored positions
     for i in range(input_ids.shape[0]):
         cols = score[i].nonzero().flatten()

@@ -207,7 +207,7 @@ def train_dataset(sources: Sequence[TrainSource], cfg: TrainConfig, seed: int):
 # --- TRL hooks --------------------------------------------------------------------------------------
 class AgentGRPOTrainer(GRPOTrainer):
     """TRL's trainer, minus the forward/backward of episodes whose loss mask is empty, and (with
-    `shared_prompt`) with each group's prompt computed once (training/shared_prompt.py).
+    `shared_prompt`) with every stretch of tokens several rows share computed once (training/shared_prompt.py).
 
     TRL keeps zero-advantage (and fully masked) rows in the batch; they contribute exactly
     nothing, and on CPU they were most of an iteration (~70 s per 2.5k-token episode).
