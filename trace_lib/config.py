@@ -362,8 +362,9 @@ class TrainConfig(Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     """The distilled student (`data/adapters/_baselines/distilled/`), evaluated as the `distilled` method."""
     shared_prompt: bool = True
-    """Compute each group's prompt once per loss pass, score only the agent's tokens
-    (training/shared_prompt.py); False: TRL's own pass over every row (with activation checkpointing)."""
+    """Compute every stretch of tokens several episodes share (the prompt, a group's common first tool call
+    and result) once per loss pass, score only the agent's tokens (training/shared_prompt.py); False: TRL's
+    own pass over every row (with activation checkpointing)."""
     processes: int = Field(1, ge=1)
     """Training processes on this machine (DDP): above 1 the train stage relaunches itself under
     `accelerate launch` (training/distributed.py), each process plays and trains `groups / processes`
