@@ -44,8 +44,8 @@ from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
 from transformers.cache_utils import DynamicCache
 
-from trace_lib.training.shared_prompt import (CALL_COST_TOKENS, _expand, _low_precision, decoder_and_head,
-                                             grouped_logps, leaf_batches, shared_spans)
+from trace_lib.training.shared_prompt import (_expand, _low_precision, decoder_and_head, grouped_logps,
+                                             scored_sequences, shared_spans, work_units)
 
 
 def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path) -> list[dict]:
@@ -160,24 +160,15 @@ def decoder_tokens(batch: dict, way: str) -> int:
     """Token positions the decoder runs for one batch, each way, padding included."""
     ids, mask, n = batch["input_ids"], batch["attention_mask"], batch["logits_to_keep"]
     width = ids.shape[1] - n
-    score = mask[:, width:] if batch["score_mask"] is None else batch["score_mask"] * mask[:, width:]
     if way == "padded":
         groups = prompt_groups(ids[:, :width], mask[:, :width])
         prompts = [ids[rows[0], :width][mask[rows[0], :width].bool()] for rows in groups]
         shared = _common_length(prompts) if len(groups) > 1 else 0
         return shared + sum(len(p) - shared + len(rows) * int(mask[rows, width:].sum(-1).max())
                             for rows, p in zip(groups, prompts))
-    seqs, plens = [], []
-    for i in range(ids.shape[0]):
-        cols = score[i].nonzero().flatten()
-        end = int(cols[-1]) + 1 if len(cols) else 0
-        plens.append(int(mask[i, :width].sum()))
-        seqs.append((ids[i, :width][mask[i, :width].bool()].tolist() + ids[i, width:width + end].tolist())
-                    if end else [])
-    spans = shared_spans(seqs, None if way == "tree" else plens)
-    shared = sum(s.end - s.start for s in spans if len(s.rows) > 1)
-    return shared + sum(len(b) * max(spans[j].end - spans[j].start for j in b)
-                        for b in leaf_batches(spans, CALL_COST_TOKENS))
+    seqs, _, plens = scored_sequences(ids, mask, n, batch["score_mask"])
+    spans = shared_spans([s.tolist() for s in seqs], None if way == "tree" else plens)
+    return sum(len(unit) * max(spans[j].end - spans[j].start for j in unit) for unit in work_units(spans))
 
 
 def timed_pass(model, batch: dict, weights: torch.Tensor, way: str) -> tuple[float, torch.Tensor, list]:

@@ -150,6 +150,34 @@ def _scored_logps(head: Any, before: torch.Tensor, targets: torch.Tensor,
     return picked, (-(log_probs.exp() * log_probs).sum(-1)).detach() if compute_entropy else None
 
 
+def scored_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                     score_mask: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """(sequences, scored, prompt lengths) of a TRL batch (`grouped_logps`' arguments): each row's unpadded
+    prompt and its completion up to its last position to score (empty if it has none), the positions of that
+    sequence to score (bool), and the prompt's length."""
+    width = input_ids.shape[1] - logits_to_keep
+    p_mask, c_mask = attention_mask[:, :width].bool(), attention_mask[:, width:]
+    score = (c_mask if score_mask is None else score_mask * c_mask).bool()
+    plens = p_mask.sum(-1).tolist()
+    if any(n == 0 and bool(score[i].any()) for i, n in enumerate(plens)):
+        raise ValueError("a row with tokens to score has an empty prompt: its first token has nothing to predict it")
+    seqs, scored = [], []
+    for i in range(input_ids.shape[0]):
+        cols = score[i].nonzero().flatten()
+        end = int(cols[-1]) + 1 if len(cols) else 0
+        seqs.append(torch.cat([input_ids[i, :width][p_mask[i]], input_ids[i, width:width + end]]) if end else
+                    input_ids.new_zeros(0))
+        scored.append(torch.cat([score.new_zeros(plens[i]), score[i, :end]]) if end else score.new_zeros(0))
+    return seqs, scored, plens
+
+
+def work_units(spans: Sequence[Span]) -> list[list[int]]:
+    """The decoder calls of a pass, in an order where every span's parent comes first: a shared span alone
+    (batch 1), the rows' own parts in padded batches of siblings (`leaf_batches`)."""
+    batch_of = {j: batch for batch in leaf_batches(spans, CALL_COST_TOKENS) for j in batch}
+    return [batch_of.get(j, [j]) for j in range(len(spans)) if j not in batch_of or batch_of[j][0] == j]
+
+
 def grouped_logps(
     model: Any,
     input_ids: torch.Tensor,
@@ -164,31 +192,17 @@ def grouped_logps(
     `input_ids` rows are [left-padded prompt | right-padded completion] as TRL builds them;
     `score_mask` (rows, logits_to_keep) marks the positions to score (default: the completion's
     attention mask); other positions are 0. Every stretch several rows start with runs once
-    (`shared_spans`); without `share_completions` only prompt tokens are shared and each row's completion
-    runs on its own (a group's episodes usually share their first tool call and its result).
+    (`shared_spans`); without `share_completions` only prompt tokens are shared and each row's whole
+    completion is its own part (a group's episodes usually share their first tool call and its result).
     """
     decoder, head = decoder_and_head(model)
-    width = input_ids.shape[1] - logits_to_keep
-    p_mask, c_mask = attention_mask[:, :width].bool(), attention_mask[:, width:]
-    score = (c_mask if score_mask is None else score_mask * c_mask).bool()
-    logps = torch.zeros(score.shape, dtype=torch.float32, device=input_ids.device)
+    logps = torch.zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
-    plens = p_mask.sum(-1).tolist()
-    if any(n == 0 and bool(score[i].any()) for i, n in enumerate(plens)):
-        raise ValueError("a row with tokens to score has an empty prompt: its first token has nothing to predict it")
-    seqs, scored = [], []  # each row's prompt + completion up to its last scored token; scored positions
-    for i in range(input_ids.shape[0]):
-        cols = score[i].nonzero().flatten()
-        end = int(cols[-1]) + 1 if len(cols) else 0
-        seqs.append(torch.cat([input_ids[i, :width][p_mask[i]], input_ids[i, width:width + end]]) if end else
-                    input_ids.new_zeros(0))
-        scored.append(torch.cat([score.new_zeros(plens[i]), score[i, :end]]) if end else score.new_zeros(0))
+    seqs, scored, plens = scored_sequences(input_ids, attention_mask, logits_to_keep, score_mask)
     spans = shared_spans([s.tolist() for s in seqs], None if share_completions else plens)
     if not spans:
         return logps, entropies
-    # units of work: a shared span alone (batch 1), the rows' own parts in padded batches of siblings
-    batch_of = {j: batch for batch in leaf_batches(spans, CALL_COST_TOKENS) for j in batch}
-    units = [batch_of.get(j, [j]) for j in range(len(spans)) if j not in batch_of or batch_of[j][0] == j]
+    units = work_units(spans)
     caches: dict[int, DynamicCache] = {}
     last: dict[int, torch.Tensor] = {}  # a shared span's last hidden state: it predicts its children's first token
     at_rows, at_cols, values, ents = [], [], [], []
