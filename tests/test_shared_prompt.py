@@ -150,8 +150,10 @@ def test_shared_completion_starts_give_the_row_by_row_logps_and_gradients(lora_m
         assert torch.allclose(logps * score, ref * score, atol=1e-5)
         assert bool((logps[score == 0] == 0).all())
         assert ent is not None and bool((ent[score.bool()] > 0).all()) and bool((ent[score == 0] == 0).all())
+        # fp32 sums in another order: on a 2-core AMD EPYC the gradients (|g| up to ~3) differed from the row-by-row
+        # pass's by up to 4.8e-5, 1.7e-5 past atol 1e-5 + rtol 1e-4; a wrong span or mask moves them by O(1)
         for a, b in zip(grads, ref_grads):
-            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_nothing_to_score_gives_zeros_and_an_empty_prompt_is_refused(lora_model):

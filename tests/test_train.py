@@ -739,6 +739,51 @@ def test_reward_rises_on_a_learnable_toy_environment(tiny_model_dir, tmp_path):
     assert first <= 0.5 and last >= first + 0.25, reward
 
 
+def test_the_shared_prompt_pass_scores_at_the_sampling_temperature_as_trls_own(tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """The loss pass takes the log-probs of the distribution the rollouts were drawn from (logits / T), as TRL's
+    own pass does: on the batch of a real iteration at T = 0.5 both give the same values on the trained tokens,
+    and they differ from the temperature-1 log-probs."""
+    import trace_lib.training.trainer as train_mod
+    from trl import GRPOTrainer
+
+    captured: list = []
+    ours = train_mod.AgentGRPOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        out = ours(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if torch.is_grad_enabled() and not captured:
+            captured.append((self, model, input_ids, attention_mask, logits_to_keep, self._score_mask, out[0]))
+        return out
+
+    monkeypatch.setattr(train_mod.AgentGRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+    cfg = TrainConfig(**{**FAST, "iterations": 1, "group_size": 4, "temperature": 0.5})
+    ledger = RolloutLedger(tmp_path / "ledger.jsonl")
+    train_adapter_mixture(tiny_model_dir, [TrainSource("p", lambda: ParityEnv(max_steps=3), kv_tasks)], cfg,
+                          tmp_path / "p", seed=0, ledger=ledger, name="p")
+    assert captured, "no loss pass ran: every group had equal rewards"
+    trainer, model, ids, attention, keep, score, logps = captured[0]
+    assert trainer.temperature == 0.5
+    scored = score.bool()
+    with torch.no_grad():
+        # both on the weights after the step
+        mine = ours(trainer, model, ids, attention, keep)[0]
+        trl = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, attention, keep)[0]
+        trainer.temperature = 1.0  # TRL's fused head keeps the temperature it was built with; ours reads this
+        at_one = ours(trainer, model, ids, attention, keep)[0]
+    assert int(scored.sum()) > 0
+    assert torch.allclose(mine[scored], trl[scored], atol=1e-4)
+    assert float((mine[scored] - at_one[scored]).abs().max()) > 1e-2
+
+
+def test_grouped_logps_refuse_a_temperature_of_zero(tiny_model_dir):
+    from trace_lib.training.shared_prompt import grouped_logps
+
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        grouped_logps(None, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 1,
+                      temperature=0.0)
+
+
 def test_mixture_training_runs(tiny_model_dir, tmp_path):
     cfg = TrainConfig(**{**FAST, "iterations": 1})
     srcs = [TrainSource("x", lambda: ParityEnv(max_steps=3), kv_tasks, 2.0),
@@ -785,9 +830,9 @@ def test_distillation_scores_each_episode_with_the_teacher_of_its_source(tiny_mo
     real = train_mod.grouped_logps
     seen: list = []
 
-    def fake(model, ids, attention, keep, mask=None, compute_entropy=False):
+    def fake(model, ids, attention, keep, mask=None, compute_entropy=False, **kw):
         if torch.is_grad_enabled():  # the loss pass
-            return real(model, ids, attention, keep, mask, compute_entropy)
+            return real(model, ids, attention, keep, mask, compute_entropy, **kw)
         trainer = seen[-1]
         fill = {"a": -1.0, "b": -2.0}[trainer.teachers.adapter] if model is trainer.teachers.model else -3.0
         return torch.full((ids.shape[0], keep), fill), None

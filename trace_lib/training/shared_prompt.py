@@ -142,10 +142,12 @@ def _low_precision(model: Any):
     return stack
 
 
-def _scored_logps(head: Any, before: torch.Tensor, targets: torch.Tensor,
-                  compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-prob of each target token, entropy or None) from the hidden states before them."""
-    log_probs = head(before).float().log_softmax(-1)
+def _scored_logps(head: Any, before: torch.Tensor, targets: torch.Tensor, compute_entropy: bool,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of each target token, entropy or None) from the hidden states before them, under the
+    distribution the tokens were sampled from: the logits divided by `temperature`."""
+    logits = head(before).float()
+    log_probs = (logits if temperature == 1.0 else logits / temperature).log_softmax(-1)
     picked = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     return picked, (-(log_probs.exp() * log_probs).sum(-1)).detach() if compute_entropy else None
 
@@ -186,6 +188,7 @@ def grouped_logps(
     score_mask: torch.Tensor | None = None,
     compute_entropy: bool = False,
     share_completions: bool = True,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs, entropies), each (rows, logits_to_keep), of the completion tokens.
 
@@ -194,7 +197,11 @@ def grouped_logps(
     attention mask); other positions are 0. Every stretch several rows start with runs once
     (`shared_spans`); without `share_completions` only prompt tokens are shared and each row's whole
     completion is its own part (a group's episodes usually share their first tool call and its result).
+    `temperature` divides the logits before the softmax, as TRL's own pass does, so that the gradient is that
+    of the distribution the rollouts were sampled from.
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     decoder, head = decoder_and_head(model)
     logps = torch.zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
@@ -232,7 +239,7 @@ def grouped_logps(
             any_row = torch.stack([torch.stack(w).any(0) for w in wanted])  # (b, width_u)
             if not bool(any_row.any()):
                 continue
-            picked, ent = _scored_logps(head, before[any_row], ids[any_row], compute_entropy)
+            picked, ent = _scored_logps(head, before[any_row], ids[any_row], compute_entropy, temperature)
             slot = (any_row.flatten().long().cumsum(0) - 1).view(b, width_u)
             for i, m in enumerate(members):
                 for r, want in zip(m.rows, wanted[i]):

@@ -253,7 +253,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             score = None
         with self.accelerator.autocast():
             logps, entropies = grouped_logps(model, input_ids, attention_mask, logits_to_keep, score,
-                                             compute_entropy)
+                                             compute_entropy, temperature=self.temperature)
         return logps, entropies, None
 
 
