@@ -25,7 +25,10 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# A dvc process killed while it rewrote its lock table (.dvc/tmp/rwlock) leaves it unreadable, and dvc then
+# refuses every run: trace_lib.dvc_locks removes such a table (under dvc's own guard) before the run.
 repro: env
+	$(BIN)/python -m trace_lib.dvc_locks
 	$(BIN)/dvc repro
 
 # The whole pipeline again on the phone environment (CPU default sizes) into sweeps/phone, then the
