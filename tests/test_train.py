@@ -388,6 +388,23 @@ def test_start_late_with_the_hint_swap_trains_the_late_prompt_without_the_guidan
     assert out["reward"] == [0.0, 0.0, 1.0, 1.0] and [ep.preplayed for ep in ro.last] == [1] * 4
 
 
+def test_a_late_start_hint_lists_only_the_steps_left_to_do(scripted):
+    """After the played lookup the guidance says what is left (the answer), not the lookup again; a whole
+    episode keeps the source's own hint."""
+    for start_late, wanted in ((1.0, ["(1) tell the customer: \"The answer: 10\"."]),
+                               (0.0, ["Say the value."])):
+        policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
+        policy.seen = []
+        cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 2, "hint_fraction": 0.5, "start_late": start_late})
+        source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: "Say the value.",
+                             reference=reference_steps)
+        ro = AgentRollout(policy, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
+        ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+        guided = policy.tokenizer.decode(policy.seen[0][1])
+        hint = guided[guided.index(HINT_OPEN) + len(HINT_OPEN):guided.index(HINT_CLOSE)]
+        assert all(w in hint for w in wanted) and "call get_value" not in hint, hint
+
+
 def test_start_late_without_a_reference_plays_whole_episodes(scripted):
     cfg = TrainConfig(**{**FAST, "groups": 1, "start_late": 1.0})
     ro = AgentRollout(scripted, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks)], cfg,

@@ -75,7 +75,7 @@ from trace_lib.envs.base import Environment
 from trace_lib.records import Message, Task, ToolCall
 from trace_lib.synth.rubric import item_means
 from trace_lib.training import distributed
-from trace_lib.training.hints import hinted_samples, with_hint
+from trace_lib.training.hints import hint_from_steps, hinted_samples, with_hint
 
 TRUNCATION_MARK = " ...[truncated]"
 TURN_END = "<|im_end|>"
@@ -240,6 +240,16 @@ def preplayed_opening(env: Environment, task: Task, steps: Sequence[PlayedStep])
         actions.append(msg)
     assert env.state is not None
     return list(env.state.messages), len(actions)
+
+
+def guidance(source: TrainSource, task: Task, played: int) -> str | None:
+    """The hint of a guided episode that starts after `played` steps of the task's reference (`train.start_late`):
+    the steps left to do. A hint that still lists the played lookup tells the agent to make it again (on the
+    structured_data_reasoning environment SmolLM2-135M then repeated the lookup); what an episode from the start
+    is told stays the source's own hint."""
+    if played and source.reference is not None:
+        return hint_from_steps(list(source.reference(task))[played:])
+    return source.hint(task)
 
 
 def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
@@ -434,14 +444,14 @@ class AgentRollout:
         for i, key in enumerate(keys):
             sample = sample + 1 if i and keys[i - 1] == key else 0
             source = self.sources[key[0]]
-            if sample in guided and source.hint is not None and key not in hints:
-                hints[key] = source.hint(tasks[key])
             env = source.make_env()
             if key not in preplay:
                 late = lambda n: preplay_count(iteration, self.cfg.iterations, self.cfg.start_late, n)  # noqa: E731
                 steps = (leading_steps(source.reference(tasks[key]), env.tool_kinds())
                          if source.reference and late(1) else [])
                 preplay[key] = steps[:late(len(steps))]
+            if sample in guided and source.hint is not None and key not in hints:
+                hints[key] = guidance(source, tasks[key], len(preplay[key]))
             env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
             episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
                                           hint=hints.get(key) if sample in guided else None, preplay=preplay[key]))

@@ -1,0 +1,142 @@
+"""Does a capability adapter trained on its synthetic environment change what the agent solves on the target?
+
+One run from nothing: the model prepared under --root (if missing), the capability's template environment
+synthesized and validated there, one adapter trained on it with the given settings (GRPO through the train
+stage's own path), then greedy episodes of the base model, the final adapter and (with --eval-every) its
+snapshots on held-out synthetic tasks and on --target-n tasks per family of the target's --target-split
+(default train: the split used for choosing settings; the test split is for the pipeline's one run).
+Prints one JSON object (also written to --out/result.json): training curve, held-out and target successes per
+family, and seconds. Runs on whatever device `--profile` selects (cpu: the CPU default; gpu: CUDA).
+
+    .venv/bin/python benchmarks/capability_transfer.py --root /tmp/ct --capability structured_data_reasoning \\
+        --iterations 10 --hint-fraction 0.5 --start-late 0.5 --partial-credit 0.5 --eval-every 5 \\
+        --families order_status,order_total --target-n 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from trace_lib.agent.model import resolve_model
+from trace_lib.agent.policy import load_policy
+from trace_lib.capabilities import CAPABILITIES
+from trace_lib.config import params_from_dict
+from trace_lib.envs import make_env, make_tasks
+from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, evaluate_policy
+from trace_lib.io import atomic_write_text
+from trace_lib.records import Capability
+from trace_lib.stages.train import _sandbox_limits, _synthetic_source
+from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.synth.synthesize import synthesize_env
+from trace_lib.training.budget import RolloutLedger
+from trace_lib.training.trainer import SNAPSHOTS, read_timing, read_train_log, train_adapter_mixture
+
+
+def _params(args: argparse.Namespace) -> dict:
+    train = {"iterations": args.iterations, "hint_fraction": args.hint_fraction, "start_late": args.start_late,
+             "reward": {"partial_credit": args.partial_credit}, "snapshots": args.eval_every > 0,
+             "save_every": args.eval_every or args.iterations, "baselines": [], "distill": {"iterations": 0}}
+    for key in ("groups", "group_size", "learning_rate", "temperature"):
+        if getattr(args, key) is not None:
+            train[key] = getattr(args, key)
+    data = {"profile": args.profile, "seed": args.seed, "train": train,
+            "model": {"out_dir": str(Path(args.root) / "data/model")}}
+    if args.difficulty is not None:
+        data["synthesize"] = {"difficulty": args.difficulty}
+    return data
+
+
+def _successes(trajs, tasks) -> dict:
+    fam: dict[str, list[int]] = {}
+    for task, traj in zip(tasks, trajs):
+        fam.setdefault(task.family or "synthetic", []).append(int(traj.success))
+    return {"successes": sum(sum(v) for v in fam.values()), "n": len(trajs),
+            "families": {k: f"{sum(v)}/{len(v)}" for k, v in fam.items()},
+            "solved": sorted(t.id for t, tr in zip(tasks, trajs) if tr.success)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", required=True, help="scratch folder (model, environment, adapters)")
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--capability", required=True, choices=[c.id for c in CAPABILITIES])
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--groups", type=int, default=None)
+    ap.add_argument("--group-size", dest="group_size", type=int, default=None)
+    ap.add_argument("--lr", dest="learning_rate", type=float, default=None)
+    ap.add_argument("--temperature", type=float, default=None)
+    ap.add_argument("--hint-fraction", type=float, default=0.5)
+    ap.add_argument("--start-late", type=float, default=0.0)
+    ap.add_argument("--partial-credit", type=float, default=0.5)
+    ap.add_argument("--difficulty", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--synthetic-n", type=int, default=16, help="held-out synthetic tasks")
+    ap.add_argument("--target-n", type=int, default=8, help="target tasks per family")
+    ap.add_argument("--target-split", default="train")
+    ap.add_argument("--families", default="", help="target families (default: all)")
+    ap.add_argument("--out", default=None, help="where result.json goes (default: --root)")
+    args = ap.parse_args()
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    params = params_from_dict(_params(args))
+    atomic_write_text(root / "params.yaml", yaml.safe_dump(_params(args)))
+    t0 = time.perf_counter()
+    model_dir = resolve_model(params.model.id, Path(params.model.out_dir), params.model.dtype)
+    spec = next(c for c in CAPABILITIES if c.id == args.capability)
+    cap = Capability(id=spec.id, name=spec.name, description=spec.description, recognition=spec.recognition)
+    manifest = synthesize_env(cap, "template", params, root)
+    if not manifest.valid:
+        raise SystemExit(f"{args.capability}: the template environment failed validation: {manifest.reason}")
+    result: dict = {"capability": args.capability, "device_profile": args.profile,
+                    "train": params.train.model_dump(mode="json", include={"iterations", "groups", "group_size",
+                                                                           "learning_rate", "temperature",
+                                                                           "hint_fraction", "start_late"}),
+                    "difficulty": params.synthesize.difficulty, "setup_seconds": round(time.perf_counter() - t0, 1)}
+    out = root / "adapters"
+    with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
+        t0 = time.perf_counter()
+        m = train_adapter_mixture(model_dir, [_synthetic_source(box, args.capability, params)], params.train,
+                                  out / args.capability, seed=args.seed,
+                                  ledger=RolloutLedger(out / "ledger.jsonl"), name=args.capability,
+                                  timing_path=out / "timing.json")
+        result["rollouts"] = m.rollouts_used
+        result["train_seconds"] = round(time.perf_counter() - t0, 1)
+        result["seconds_per_iteration"] = read_timing(out / "timing.json").get("seconds_per_iteration")
+        result["curve"] = [{k: row.get(k) for k in ("iteration", "rollouts", "success_rate", "success_rate_unhinted",
+                                                     "env_score", "frac_reward_zero_std", "preplayed_steps")}
+                           for row in read_train_log(out / args.capability)]
+        adapters = {"final": str(out / args.capability)}
+        for snap in sorted((out / args.capability / SNAPSHOTS).glob("iter-*"), key=lambda p: int(p.name[5:])):
+            adapters[snap.name] = str(snap)
+        policy = load_policy(model_dir, dtype=params.model.dtype, device=params.model.device, adapters=adapters)
+        cfg = eval_rollout_config(params.rollout, params.evaluate)
+        seeds = list(range(INTERFERENCE_SEED0, INTERFERENCE_SEED0 + args.synthetic_n))
+        synth_tasks = synthetic_tasks(box, args.capability, seeds, params.synthesize.difficulty, "test")
+        env_cfg = params.env.model_copy(update={"tasks_per_family": args.target_n,
+                                                "families": [f for f in args.families.split(",") if f]})
+        target_tasks = make_tasks(env_cfg, args.target_split)
+        t0 = time.perf_counter()
+        result["held_out"], result["target"] = {}, {}
+        for name in [None, *adapters]:
+            label = name or "base"
+            trajs = evaluate_policy(policy, synth_tasks, lambda: SyntheticEnv(
+                box, params.env, max_steps=params.train.max_steps_per_episode), cfg, args.seed, name)
+            result["held_out"][label] = f"{sum(t.success for t in trajs)}/{len(trajs)}"
+            trajs = evaluate_policy(policy, target_tasks, lambda: make_env(env_cfg), cfg, args.seed, name)
+            result["target"][label] = _successes(trajs, target_tasks)
+            print(label, result["held_out"][label], result["target"][label]["families"], flush=True)
+        result["eval_seconds"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(result, indent=1)
+    atomic_write_text(Path(args.out or root) / "result.json", text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
