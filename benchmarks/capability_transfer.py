@@ -53,12 +53,17 @@ def _params(args: argparse.Namespace) -> dict:
 
 
 def _successes(trajs, tasks) -> dict:
+    """Successes overall and per family; episodes are matched to tasks by id (evaluate_policy returns them in
+    its own order)."""
+    solved = {t.task_id: t.success for t in trajs}
+    if sorted(solved) != sorted(t.id for t in tasks):
+        raise RuntimeError("the episodes do not cover the tasks one each")
     fam: dict[str, list[int]] = {}
-    for task, traj in zip(tasks, trajs):
-        fam.setdefault(task.family or "synthetic", []).append(int(traj.success))
-    return {"successes": sum(sum(v) for v in fam.values()), "n": len(trajs),
+    for task in tasks:
+        fam.setdefault(task.family or "synthetic", []).append(int(solved[task.id]))
+    return {"successes": sum(solved.values()), "n": len(trajs),
             "families": {k: f"{sum(v)}/{len(v)}" for k, v in fam.items()},
-            "solved": sorted(t.id for t, tr in zip(tasks, trajs) if tr.success)}
+            "solved": sorted(k for k, v in solved.items() if v)}
 
 
 def main() -> None:
@@ -126,8 +131,8 @@ def main() -> None:
         result["held_out"], result["target"] = {}, {}
         for name in [None, *adapters]:
             label = name or "base"
-            trajs = evaluate_policy(policy, synth_tasks, lambda: SyntheticEnv(
-                box, params.env, max_steps=params.train.max_steps_per_episode), cfg, args.seed, name)
+            # as the evaluate stage's interference table plays them
+            trajs = evaluate_policy(policy, synth_tasks, lambda: SyntheticEnv(box, params.env), cfg, args.seed, name)
             result["held_out"][label] = f"{sum(t.success for t in trajs)}/{len(trajs)}"
             trajs = evaluate_policy(policy, target_tasks, lambda: make_env(env_cfg), cfg, args.seed, name)
             result["target"][label] = _successes(trajs, target_tasks)

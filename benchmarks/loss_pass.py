@@ -56,12 +56,12 @@ def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path)
     batches: list[dict] = []
     real = trainer_mod.grouped_logps
 
-    def recording(model, input_ids, attention_mask, logits_to_keep, score_mask=None, compute_entropy=False):
+    def recording(model, input_ids, attention_mask, logits_to_keep, score_mask=None, compute_entropy=False, **kw):
         if torch.is_grad_enabled():
             batches.append({"input_ids": input_ids.clone(), "attention_mask": attention_mask.clone(),
                             "logits_to_keep": logits_to_keep,
                             "score_mask": None if score_mask is None else score_mask.clone()})
-        return real(model, input_ids, attention_mask, logits_to_keep, score_mask, compute_entropy)
+        return real(model, input_ids, attention_mask, logits_to_keep, score_mask, compute_entropy, **kw)
 
     module = tmp / "env.py"
     module.write_text(render_template_module(capability, target_spec(params.env), params.synthesize.difficulty))

@@ -71,3 +71,21 @@ def test_nothing_to_mend_without_a_table_and_the_command_line(repo: Path, tmp_pa
     elsewhere = tmp_path_factory.mktemp("not_dvc")
     assert main([str(elsewhere)]) == 2 and "not a DVC repository" in capsys.readouterr().err
     assert main(["a", "b"]) == 2
+
+
+def test_a_guard_held_by_another_process_is_reported_not_waited_on(repo: Path):
+    rwlock_path(repo).write_text("")
+    guard = rwlock_path(repo).parent / "rwlock.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dvc.lock import make_lock; "
+                               "g = make_lock(sys.argv[1], tmp_dir=sys.argv[2]); g.lock(); print('held', flush=True); "
+                               "time.sleep(60)", str(guard), str(guard.parent)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = repair_rwlock(repo)
+        assert done is not None and "held by another process" in done
+        assert rwlock_path(repo).exists()  # not touched without the guard
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "was removed" in repair_rwlock(repo)  # the guard is free once its holder is gone
+

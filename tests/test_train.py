@@ -405,6 +405,22 @@ def test_a_late_start_hint_lists_only_the_steps_left_to_do(scripted):
         assert all(w in hint for w in wanted) and "call get_value" not in hint, hint
 
 
+def test_a_late_start_whose_step_is_refused_keeps_the_whole_hint(scripted):
+    """The guidance follows the steps actually played: a planned lookup the environment refuses is not played,
+    so the episode starts from the opening and its guidance is the source's own."""
+    policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
+    policy.seen = []
+    cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 2, "hint_fraction": 0.5, "start_late": 1.0})
+    source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: "Say the value.",
+                         reference=lambda task: [{"tool": "get_value", "arguments": {"key": "nope"}},
+                                                 {"say": "The answer: 10"}])
+    ro = AgentRollout(policy, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
+    ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    guided = policy.tokenizer.decode(policy.seen[0][1])
+    assert [ep.preplayed for ep in ro.last] == [0, 0]
+    assert guided[guided.index(HINT_OPEN) + len(HINT_OPEN):guided.index(HINT_CLOSE)] == "Say the value."
+
+
 def test_start_late_without_a_reference_plays_whole_episodes(scripted):
     cfg = TrainConfig(**{**FAST, "groups": 1, "start_late": 1.0})
     ro = AgentRollout(scripted, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks)], cfg,

@@ -37,24 +37,33 @@ def _hardlink_lock(repo: Path) -> bool:
 def repair_rwlock(repo: Path) -> str | None:
     """Remove `repo`'s DVC lock table when it cannot be read (empty, cut, not DVC's format); returns what was
     done, or None when there was nothing to mend (no table, or a readable one)."""
-    from dvc.lock import make_lock
+    from dvc.lock import LockError, make_lock
     from dvc.rwlock import RWLOCK_LOCK, SCHEMA
     from voluptuous import Invalid
 
     path = rwlock_path(repo)
     if not path.exists():
         return None
+    # wait=False: DVC's own few retries (~3 s), as dvc itself does; a guard held longer (a stopped dvc, or a
+    # hard-link claim a killed process left, which never expires) is reported, not waited on forever
     guard = make_lock(str(path.parent / RWLOCK_LOCK), tmp_dir=str(path.parent), hardlink_lock=_hardlink_lock(repo),
-                      wait=True)
-    with guard:
-        try:
-            SCHEMA(json.loads(path.read_bytes().decode("utf-8")))
-            return None
-        except (ValueError, Invalid) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            size = path.stat().st_size
-            path.unlink()
-            return (f"{path}: DVC's lock table could not be read ({type(exc).__name__}, {size} bytes; a dvc "
-                    f"process was killed while writing it) and was removed")
+                      wait=False)
+    try:
+        with guard:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:  # removed by another repair in the meantime
+                return None
+            try:
+                SCHEMA(json.loads(data.decode("utf-8")))
+                return None
+            except (ValueError, Invalid) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                path.unlink()
+                return (f"{path}: DVC's lock table could not be read ({type(exc).__name__}, {len(data)} bytes; a "
+                        f"dvc process was killed while writing it) and was removed")
+    except LockError:
+        return (f"{path.parent / RWLOCK_LOCK}: held by another process, so DVC's lock table was not checked; if no "
+                f"dvc process is running, remove that file and {path.name}")
 
 
 def main(argv: list[str] | None = None) -> int:

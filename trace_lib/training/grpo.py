@@ -252,12 +252,25 @@ def guidance(source: TrainSource, task: Task, played: int) -> str | None:
     return source.hint(task)
 
 
+def _cached_guidance(cache: dict, key: tuple[str, int], source: TrainSource, task: Task) -> Callable[[int], str | None]:
+    """`guidance` for the episodes of one group, by the number of steps played: one `solve` call per group and start."""
+    def hint(played: int) -> str | None:
+        if (key, played) not in cache:
+            cache[key, played] = guidance(source, task, played)
+        return cache[key, played]
+    return hint
+
+
 def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: int, env: Environment,
-                  hint: str | None = None, preplay: Sequence[PlayedStep] = ()) -> Episode:
+                  hint: str | Callable[[int], str | None] | None = None,
+                  preplay: Sequence[PlayedStep] = ()) -> Episode:
     """A new episode of `task`; with `hint`, played from the opening with that guidance while the
     trained sequence starts from the opening without it; with `preplay`, started after those reference
-    steps (`preplayed_opening`)."""
+    steps (`preplayed_opening`). A callable `hint` gets the number of steps actually played (fewer than
+    planned when one is refused) and returns the guidance or None."""
     opening, preplayed = preplayed_opening(env, task, preplay) if preplay else (env.reset(task), 0)
+    if callable(hint):
+        hint = hint(preplayed)
     tools = env.tool_schemas()
     prompt = policy.encode(render_prompt(policy.tokenizer, opening, tools))
     guided = None if hint is None else policy.encode(render_prompt(policy.tokenizer, with_hint(opening, hint), tools))
@@ -438,7 +451,7 @@ class AgentRollout:
                 raise ValueError(f"make_tasks({seeds}) for {source!r} returned {len(made)} tasks")
             tasks.update({(source, s): t for s, t in zip(seeds, made, strict=True)})
         guided = set(hinted_samples(self.cfg.group_size, self.cfg.hint_fraction))
-        hints: dict[tuple[str, int], str | None] = {}
+        hints: dict[tuple[tuple[str, int], int], str | None] = {}
         preplay: dict[tuple[str, int], list[PlayedStep]] = {}
         episodes, sample = [], 0
         for i, key in enumerate(keys):
@@ -450,11 +463,10 @@ class AgentRollout:
                 steps = (leading_steps(source.reference(tasks[key]), env.tool_kinds())
                          if source.reference and late(1) else [])
                 preplay[key] = steps[:late(len(steps))]
-            if sample in guided and source.hint is not None and key not in hints:
-                hints[key] = guidance(source, tasks[key], len(preplay[key]))
+            hint = _cached_guidance(hints, key, source, tasks[key]) if sample in guided and source.hint else None
             env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
             episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
-                                          hint=hints.get(key) if sample in guided else None, preplay=preplay[key]))
+                                          hint=hint, preplay=preplay[key]))
         return episodes
 
     drop_equal_groups: bool = True

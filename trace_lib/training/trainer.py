@@ -281,7 +281,8 @@ class DistillGRPOTrainer(AgentGRPOTrainer):
     per-token `distill_advantages` (TRL's loss takes advantages of shape rows x tokens). Everything else
     (optimizer, checkpoints, resume, ledger, snapshots) is the GRPO trainer's. The authors' code does the
     same with one student episode per task (their 'ppo_surrogate' loss); here the K episodes of a seed
-    share their prompt's pass. Teacher and student log-probs are the models' own (temperature 1).
+    share their prompt's pass. Teacher and student log-probs are taken at the sampling temperature (the train stage's
+student samples at 1, so they are the models' own).
     """
 
     teachers: Any = None
@@ -302,7 +303,8 @@ class DistillGRPOTrainer(AgentGRPOTrainer):
         model.eval()
         try:
             with torch.no_grad():
-                student = grouped_logps(model, ids, attention, keep, mask)[0]
+                # at the sampling temperature, as the loss pass scores the student (1 in the train stage)
+                student = grouped_logps(model, ids, attention, keep, mask, temperature=self.temperature)[0]
                 teacher = torch.zeros_like(student)
                 for source in sorted({ep.source for ep in episodes}):
                     rows = torch.tensor([i for i, ep in enumerate(episodes) if ep.source == source],
@@ -310,7 +312,7 @@ class DistillGRPOTrainer(AgentGRPOTrainer):
                     self.teachers.set_adapter(source)
                     self.teachers.model.requires_grad_(False)  # PEFT's set_adapter marks the active one trainable
                     teacher[rows] = grouped_logps(self.teachers.model, ids[rows], attention[rows], keep,
-                                                  mask[rows])[0].to(teacher.device)
+                                                  mask[rows], temperature=self.temperature)[0].to(teacher.device)
         finally:
             model.train(was_training)
         out["advantages"] = distill_advantages(student, teacher, mask.to(student.dtype))
