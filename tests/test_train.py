@@ -388,37 +388,34 @@ def test_start_late_with_the_hint_swap_trains_the_late_prompt_without_the_guidan
     assert out["reward"] == [0.0, 0.0, 1.0, 1.0] and [ep.preplayed for ep in ro.last] == [1] * 4
 
 
+def _guided_hint(scripted, start_late: float, reference) -> tuple[str, list[int]]:
+    """The guidance the second (guided) rollout of a KV group of two was sampled with, and each episode's played
+    steps; the source's own hint is "Say the value."."""
+    policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
+    policy.seen = []
+    cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 2, "hint_fraction": 0.5, "start_late": start_late})
+    source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: "Say the value.",
+                         reference=reference)
+    ro = AgentRollout(policy, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
+    ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    guided = policy.tokenizer.decode(policy.seen[0][1])
+    return guided[guided.index(HINT_OPEN) + len(HINT_OPEN):guided.index(HINT_CLOSE)], [ep.preplayed for ep in ro.last]
+
+
 def test_a_late_start_hint_lists_only_the_steps_left_to_do(scripted):
     """After the played lookup the guidance says what is left (the answer), not the lookup again; a whole
     episode keeps the source's own hint."""
-    for start_late, wanted in ((1.0, ["(1) tell the customer: \"The answer: 10\"."]),
-                               (0.0, ["Say the value."])):
-        policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
-        policy.seen = []
-        cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 2, "hint_fraction": 0.5, "start_late": start_late})
-        source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: "Say the value.",
-                             reference=reference_steps)
-        ro = AgentRollout(policy, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
-        ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
-        guided = policy.tokenizer.decode(policy.seen[0][1])
-        hint = guided[guided.index(HINT_OPEN) + len(HINT_OPEN):guided.index(HINT_CLOSE)]
-        assert all(w in hint for w in wanted) and "call get_value" not in hint, hint
+    hint, played = _guided_hint(scripted, 1.0, reference_steps)
+    assert '(1) tell the customer: "The answer: 10".' in hint and "call get_value" not in hint, hint
+    assert played == [1, 1]
+    assert _guided_hint(scripted, 0.0, reference_steps) == ("Say the value.", [0, 0])
 
 
 def test_a_late_start_whose_step_is_refused_keeps_the_whole_hint(scripted):
     """The guidance follows the steps actually played: a planned lookup the environment refuses is not played,
     so the episode starts from the opening and its guidance is the source's own."""
-    policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
-    policy.seen = []
-    cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 2, "hint_fraction": 0.5, "start_late": 1.0})
-    source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: "Say the value.",
-                         reference=lambda task: [{"tool": "get_value", "arguments": {"key": "nope"}},
-                                                 {"say": "The answer: 10"}])
-    ro = AgentRollout(policy, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
-    ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
-    guided = policy.tokenizer.decode(policy.seen[0][1])
-    assert [ep.preplayed for ep in ro.last] == [0, 0]
-    assert guided[guided.index(HINT_OPEN) + len(HINT_OPEN):guided.index(HINT_CLOSE)] == "Say the value."
+    refused = [{"tool": "get_value", "arguments": {"key": "nope"}}, {"say": "The answer: 10"}]
+    assert _guided_hint(scripted, 1.0, lambda task: refused) == ("Say the value.", [0, 0])
 
 
 def test_start_late_without_a_reference_plays_whole_episodes(scripted):
@@ -786,7 +783,7 @@ def test_the_shared_prompt_pass_scores_at_the_sampling_temperature_as_trls_own(t
     def spy(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         out = ours(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         if torch.is_grad_enabled() and not captured:
-            captured.append((self, model, input_ids, attention_mask, logits_to_keep, self._score_mask, out[0]))
+            captured.append((self, model, input_ids, attention_mask, logits_to_keep, self._score_mask))
         return out
 
     monkeypatch.setattr(train_mod.AgentGRPOTrainer, "_get_per_token_logps_and_entropies", spy)
@@ -795,7 +792,7 @@ def test_the_shared_prompt_pass_scores_at_the_sampling_temperature_as_trls_own(t
     train_adapter_mixture(tiny_model_dir, [TrainSource("p", lambda: ParityEnv(max_steps=3), kv_tasks)], cfg,
                           tmp_path / "p", seed=0, ledger=ledger, name="p")
     assert captured, "no loss pass ran: every group had equal rewards"
-    trainer, model, ids, attention, keep, score, logps = captured[0]
+    trainer, model, ids, attention, keep, score = captured[0]
     assert trainer.temperature == 0.5
     scored = score.bool()
     with torch.no_grad():
