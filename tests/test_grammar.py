@@ -155,3 +155,56 @@ def test_cuda_constrained_decoding_equals_cpu(tiny_model_dir):
         assert all(g.message.invalid is None for g in sampled), device  # the mask holds on the GPU's draw too
         greedy[device] = [g.text for g in gens]
     assert greedy["cuda"] == greedy["cpu"]
+
+
+def _bounded_text_mask(tokenizer, prefix: str, max_text_chars: int) -> torch.Tensor:
+    """The allowed tokens after `prefix` under the message rule as a bounded repetition (how the grammar
+    bounded a message before the processor kept the bound)."""
+    import xgrammar as xgr
+
+    from trace_lib.agent.grammar import _compiler
+
+    ebnf = f'root ::= [^<{{ \\t\\r\\n] [^<]{{0,{max_text_chars - 1}}}'
+    compiled = _compiler(tokenizer, len(tokenizer)).compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(prefix) if prefix else True
+    bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    scores = torch.zeros(1, len(tokenizer))
+    xgr.apply_token_bitmask_inplace(scores, bitmask)
+    return scores[0].isfinite()
+
+
+@pytest.mark.parametrize(("prefix", "left"), [
+    (prefix, left) for prefix in ["", "Sure", "Your order #W1 shipped", "Déjà vu, café", "Fine 👍 ok"]
+    for left in [0, 1, 2, 5, 30] if len(prefix) + left >= 1])  # a message has at least one character
+def test_message_bound_masks_the_tokens_a_bounded_grammar_masked(smollm2_tokenizer, prefix, left):
+    """The processor's message bound over the unbounded grammar allows exactly the tokens that the
+    bounded repetition allowed, near the bound and away from it, with multi-byte characters too."""
+    tok = smollm2_tokenizer
+    bound = len(prefix) + left
+    proc = make_tool_call_processor(tok, [], vocab_size=len(tok), max_text_chars=bound)
+    ids = tok(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+    scores = torch.zeros(1, len(tok))
+    for i in range(len(ids) + 1):  # feed the prefix a token at a time, as a decoding loop does
+        scores = proc(torch.tensor([ids[:i]], dtype=torch.long), torch.zeros(1, len(tok)))
+    if prefix:
+        assert proc.text_chars == [len(prefix)]
+    assert torch.equal(scores[0].isfinite(), _bounded_text_mask(tok, prefix, bound))
+
+
+def test_message_bound_holds_while_decoding(policy):
+    """With tools, a message row stops within the bound; a tool call is not bounded by it."""
+    policy.grammar_options = {"max_string_chars": 10, "max_text_chars": 12}
+    gens = []
+    for seed in range(4):
+        gens += policy.generate(CONVS, TOOLS, temperature=1.0, max_new_tokens=64, seed=seed, constrained=True,
+                                require_tool_call=[True, False] * 3)
+    texts = [g for g in gens if not g.text.startswith("<tool_call>")]
+    assert texts and all(len(g.text) <= 12 and g.finish_reason == "stop" for g in texts)
+    assert any(len(g.text) > 12 for g in gens if g.message.tool_calls)
+
+
+def test_message_bound_must_be_positive(smollm2_tokenizer):
+    with pytest.raises(ValueError, match="max_text_chars must be >= 1"):
+        make_tool_call_processor(smollm2_tokenizer, TOOLS, max_text_chars=0)

@@ -20,6 +20,14 @@ unfinished tool call (parse_assistant then reports it); give the turn enough tok
 `ToolCallLogitsProcessor` is a transformers `LogitsProcessor` (works with `model.generate`
 batches) with one extra method, `select_rows`, which policy.py calls when finished rows
 leave its batch.
+
+The message's length bound is kept by the processor, not by the grammar: written as a bounded
+repetition (`[^<]{0,1199}`), xgrammar's mask for a message row cost ~8 ms per decoding step on
+average along a 101-token message and ~15 ms by its end, against ~0.04 ms for the processor's
+whole step over `[^<]*` (`benchmarks/grammar_mask.py`). The grammar's message is therefore
+unbounded, and the processor forbids, on each message row, the tokens that would take the message
+past `max_text_chars` characters (counted as UTF-8 lead bytes, as the grammar counted characters):
+the same tokens the bounded repetition forbade (`tests/test_grammar.py` compares the two masks).
 """
 
 from __future__ import annotations
@@ -85,19 +93,19 @@ def call_schema(tools: list[dict[str, Any]], max_string_chars: int = MAX_STRING_
     return schema
 
 
-def _text_ebnf(max_text_chars: int) -> str:
-    return f'root ::= [^<{{ \\t\\r\\n] [^<]{{0,{max_text_chars - 1}}}'
+TEXT_EBNF = 'root ::= [^<{ \\t\\r\\n] [^<]*'
+"""A plain message; its length bound is the processor's (`ToolCallLogitsProcessor`, module docstring)."""
 
 
 def tool_turn_grammar(
-    tools: list[dict[str, Any]], *, max_text_chars: int = MAX_TEXT_CHARS,
-    max_string_chars: int = MAX_STRING_CHARS, require_tool_call: bool = False,
+    tools: list[dict[str, Any]], *, max_string_chars: int = MAX_STRING_CHARS, require_tool_call: bool = False,
 ):
-    """The xgrammar Grammar of one agent turn (without the end-of-turn token)."""
+    """The xgrammar Grammar of one agent turn (without the end-of-turn token); a message in it has no
+    length bound (the processor's `max_text_chars` keeps it)."""
     import xgrammar as xgr
 
     if not tools and not require_tool_call:  # nothing to call: the turn can only be a message
-        return xgr.Grammar.from_ebnf(_text_ebnf(max_text_chars))
+        return xgr.Grammar.from_ebnf(TEXT_EBNF)
     call = xgr.Grammar.concat(
         xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
         xgr.Grammar.from_json_schema(call_schema(tools, max_string_chars), any_whitespace=False,
@@ -106,7 +114,7 @@ def tool_turn_grammar(
     )
     if require_tool_call:
         return call
-    return xgr.Grammar.union(call, xgr.Grammar.from_ebnf(_text_ebnf(max_text_chars)))
+    return xgr.Grammar.union(call, xgr.Grammar.from_ebnf(TEXT_EBNF))
 
 
 def _compiler(tokenizer: Any, vocab_size: int):
@@ -133,22 +141,71 @@ def compile_tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], vocab_size
     return _COMPILED[key]
 
 
+_TOKEN_CHARS: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+
+
+def token_chars(info: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of an xgrammar `TokenizerInfo`: the characters it adds to a message (its UTF-8 lead
+    bytes, i.e. every byte but continuation bytes; 0 for stop tokens) and whether it opens with '<'
+    (a message cannot, so such a first token starts a tool call). Cached per `info`."""
+    kept = _TOKEN_CHARS.get(id(info))
+    if kept is None or kept[0] is not info:
+        vocab = info.decoded_vocab
+        chars = torch.tensor([sum(1 for b in tok if b & 0xC0 != 0x80) for tok in vocab], dtype=torch.int32)
+        chars[list(info.stop_token_ids)] = 0
+        opens = torch.tensor([tok[:1] == b"<" for tok in vocab], dtype=torch.bool)
+        if len(_TOKEN_CHARS) >= 4:
+            _TOKEN_CHARS.pop(next(iter(_TOKEN_CHARS)))
+        kept = _TOKEN_CHARS[id(info)] = (info, chars, opens)
+    return kept[1], kept[2]
+
+
 class ToolCallLogitsProcessor(LogitsProcessor):
     """Masks every token that would leave the agent-turn grammar, one matcher per batch row.
 
     Each call first feeds the tokens chosen since the previous call (the new columns of
     `input_ids`) to the rows' matchers, then masks `scores`. Rows whose matcher has finished
-    (end-of-turn accepted) are left alone, as `model.generate` keeps padding them.
+    (end-of-turn accepted) are left alone, as `model.generate` keeps padding them. A row whose first
+    token does not open with '<' is a message: it may not grow past `max_text_chars` characters
+    (module docstring).
     """
 
-    def __init__(self, compiled: Any | list[Any]) -> None:
+    def __init__(self, compiled: Any | list[Any], max_text_chars: int = MAX_TEXT_CHARS) -> None:
         """`compiled`: one grammar for every row, or one per row (e.g. tool call required on some rows)."""
+        if max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be >= 1, got {max_text_chars}")
         self.compiled = compiled
         first = compiled[0] if isinstance(compiled, list) else compiled
         self.vocab_size = first.tokenizer_info.vocab_size
+        self.max_text_chars = max_text_chars
+        self._chars, self._opens = token_chars(first.tokenizer_info)
+        self._longest = int(self._chars.max())  # below this many characters left, the bound can bite
         self.matchers: list[Any] | None = None
         self.rejected: list[bool] = []
+        self.text_chars: list[int | None] = []
+        """Per row: characters of its message so far; None for a tool call, or before the first token."""
+        self._started: list[bool] = []
         self._seen = 0
+
+    def _count(self, j: int, tok: int) -> None:
+        if not self._started[j]:
+            self._started[j] = True
+            self.text_chars[j] = None if bool(self._opens[tok]) else int(self._chars[tok])
+        elif self.text_chars[j] is not None:
+            self.text_chars[j] += int(self._chars[tok])
+
+    def _too_long(self, j: int) -> torch.Tensor | None:
+        """The tokens row j may not take for the message bound, or None when none are excluded."""
+        if not self._started[j]:  # a message's first token (a tool call's opens with '<')
+            left, only_text = self.max_text_chars, True
+        elif self.text_chars[j] is None:
+            return None
+        else:
+            left, only_text = self.max_text_chars - self.text_chars[j], False
+        if left >= self._longest:
+            return None
+        over = self._chars > left
+        return over & ~self._opens if only_text else over
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         import xgrammar as xgr
@@ -159,12 +216,17 @@ class ToolCallLogitsProcessor(LogitsProcessor):
                 raise ValueError(f"{len(per_row)} row grammars for a batch of {scores.shape[0]}")
             self.matchers = [xgr.GrammarMatcher(c) for c in per_row]
             self.rejected = [False] * scores.shape[0]
+            self.text_chars = [None] * scores.shape[0]
+            self._started = [False] * scores.shape[0]
             self._bitmask = xgr.allocate_token_bitmask(scores.shape[0], self.vocab_size)
         else:
             new_tokens = input_ids[:, self._seen:].tolist()  # one transfer per step off an accelerator
             for j, m in enumerate(self.matchers):
                 for tok in new_tokens[j]:
-                    if not m.is_terminated() and not m.accept_token(tok):
+                    if m.is_terminated():
+                        continue
+                    self._count(j, tok)
+                    if not m.accept_token(tok):
                         self.rejected[j] = True  # only reachable if a caller ignored the mask
         self._seen = input_ids.shape[1]
         active = [j for j, m in enumerate(self.matchers) if not m.is_terminated()]
@@ -178,6 +240,10 @@ class ToolCallLogitsProcessor(LogitsProcessor):
                                             backend="cpu" if scores.device.type == "cpu" else "torch_native")
             if scores.shape[-1] > self.vocab_size:  # padded output rows beyond the tokenizer never fit
                 scores[active, self.vocab_size:] = float("-inf")
+            for j in active:
+                too_long = self._too_long(j)
+                if too_long is not None:
+                    scores[j, : self.vocab_size].masked_fill_(too_long.to(scores.device), float("-inf"))
         return scores
 
     def select_rows(self, keep: list[int]) -> None:
@@ -185,20 +251,24 @@ class ToolCallLogitsProcessor(LogitsProcessor):
         if self.matchers is not None:
             self.matchers = [self.matchers[j] for j in keep]
             self.rejected = [self.rejected[j] for j in keep]
+            self.text_chars = [self.text_chars[j] for j in keep]
+            self._started = [self._started[j] for j in keep]
 
 
 def make_tool_call_processor(
     tokenizer: Any, tools: list[dict[str, Any]], batch_size: int | None = None,
-    vocab_size: int | None = None, require_tool_call: bool | list[bool] = False, **options,
+    vocab_size: int | None = None, require_tool_call: bool | list[bool] = False,
+    max_text_chars: int = MAX_TEXT_CHARS, **options,
 ) -> ToolCallLogitsProcessor:
     """A fresh processor for one batch (matchers are created on the first call).
 
     `require_tool_call` may be a list with one flag per row: those rows must emit a tool call,
-    the others may also answer in plain text.
+    the others may also answer in plain text, of at most `max_text_chars` characters.
     """
     if isinstance(require_tool_call, list):
         grammars = {flag: compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=flag, **options)
                     for flag in set(require_tool_call)}
-        return ToolCallLogitsProcessor([grammars[flag] for flag in require_tool_call])
+        return ToolCallLogitsProcessor([grammars[flag] for flag in require_tool_call], max_text_chars)
     return ToolCallLogitsProcessor(
-        compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=require_tool_call, **options))
+        compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=require_tool_call, **options),
+        max_text_chars)
