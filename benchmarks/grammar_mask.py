@@ -38,16 +38,16 @@ CALL = '<tool_call>\n{"name": "get_order_details", "arguments": {"order_id": "#W
 
 
 @contextmanager
-def way(name: str, policy=None):
-    """The grammar module (and `policy`'s grammar options) as `name` keeps the bound; yields the processor's
-    `max_text_chars`. Compiled grammars are cached per way."""
+def way(name: str, policy=None, limit: int = grammar.MAX_TEXT_CHARS):
+    """The grammar module (and `policy`'s grammar options) as `name` keeps a bound of `limit` characters;
+    yields the processor's `max_text_chars`. Compiled grammars are cached per way."""
     if name not in ("bounded", "processor"):
         raise ValueError(f"unknown way {name!r} (bounded, processor)")
     saved = grammar.TEXT_EBNF, dict(grammar._COMPILED), dict(policy.grammar_options) if policy else None
     grammar._COMPILED.clear()
-    bound = grammar.MAX_TEXT_CHARS
+    bound = limit
     if name == "bounded":  # the old rule; the processor's bound past anything a turn can reach
-        grammar.TEXT_EBNF = BOUNDED.format(rest=grammar.MAX_TEXT_CHARS - 1)
+        grammar.TEXT_EBNF = BOUNDED.format(rest=limit - 1)
         bound = 10**9
     if policy is not None:
         policy.grammar_options = {**policy.grammar_options, "max_text_chars": bound}
@@ -64,9 +64,11 @@ def way(name: str, policy=None):
 def mask_costs(tokenizer, tools: list[dict], vocab: int) -> None:
     print("| way | turn | tokens | mask ms per step (mean) | last 10 steps | slowest step |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
+    turns = (("message", MESSAGE, grammar.MAX_TEXT_CHARS), ("message ending at its bound", MESSAGE, len(MESSAGE)),
+             ("tool call", CALL, grammar.MAX_TEXT_CHARS))
     for name in ("bounded", "processor"):
-        with way(name) as bound:
-            for turn, text in (("message", MESSAGE), ("tool call", CALL)):
+        for turn, text, limit in turns:
+            with way(name, limit=limit) as bound:
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
                 proc = grammar.make_tool_call_processor(tokenizer, tools, vocab_size=vocab, max_text_chars=bound)
                 times = []

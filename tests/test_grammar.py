@@ -157,15 +157,21 @@ def test_cuda_constrained_decoding_equals_cpu(tiny_model_dir):
     assert greedy["cuda"] == greedy["cpu"]
 
 
-def _bounded_text_mask(tokenizer, prefix: str, max_text_chars: int) -> torch.Tensor:
-    """The allowed tokens after `prefix` under the message rule as a bounded repetition (how the grammar
-    bounded a message before the processor kept the bound)."""
+def _bounded_mask(tokenizer, tools: list, prefix: str, max_text_chars: int) -> torch.Tensor:
+    """The allowed tokens after `prefix` when the message rule is a bounded repetition (how the grammar
+    bounded a message before the processor kept the bound); with `tools`, the union with the tool call."""
     import xgrammar as xgr
 
-    from trace_lib.agent.grammar import _compiler
+    from trace_lib.agent import grammar
 
-    ebnf = f'root ::= [^<{{ \\t\\r\\n] [^<]{{0,{max_text_chars - 1}}}'
-    compiled = _compiler(tokenizer, len(tokenizer)).compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+    text = xgr.Grammar.from_ebnf(f'root ::= [^<{{ \\t\\r\\n] [^<]{{0,{max_text_chars - 1}}}')
+    saved = grammar.TEXT_EBNF
+    try:  # the tool call part exactly as the module builds it
+        grammar.TEXT_EBNF = 'root ::= "<tool_call>"'
+        rule = xgr.Grammar.union(grammar.tool_turn_grammar(tools, require_tool_call=True), text) if tools else text
+    finally:
+        grammar.TEXT_EBNF = saved
+    compiled = grammar._compiler(tokenizer, len(tokenizer)).compile_grammar(rule)
     matcher = xgr.GrammarMatcher(compiled)
     assert matcher.accept_string(prefix) if prefix else True
     bitmask = xgr.allocate_token_bitmask(1, len(tokenizer))
@@ -175,22 +181,44 @@ def _bounded_text_mask(tokenizer, prefix: str, max_text_chars: int) -> torch.Ten
     return scores[0].isfinite()
 
 
+@pytest.mark.parametrize("tools", [[], TOOLS], ids=["text only", "with tools"])
 @pytest.mark.parametrize(("prefix", "left"), [
     (prefix, left) for prefix in ["", "Sure", "Your order #W1 shipped", "Déjà vu, café", "Fine 👍 ok"]
     for left in [0, 1, 2, 5, 30] if len(prefix) + left >= 1])  # a message has at least one character
-def test_message_bound_masks_the_tokens_a_bounded_grammar_masked(smollm2_tokenizer, prefix, left):
+def test_message_bound_masks_the_tokens_a_bounded_grammar_masked(smollm2_tokenizer, tools, prefix, left):
     """The processor's message bound over the unbounded grammar allows exactly the tokens that the
     bounded repetition allowed, near the bound and away from it, with multi-byte characters too."""
     tok = smollm2_tokenizer
     bound = len(prefix) + left
-    proc = make_tool_call_processor(tok, [], vocab_size=len(tok), max_text_chars=bound)
+    proc = make_tool_call_processor(tok, tools, vocab_size=len(tok), max_text_chars=bound)
     ids = tok(prefix, add_special_tokens=False)["input_ids"] if prefix else []
     scores = torch.zeros(1, len(tok))
     for i in range(len(ids) + 1):  # feed the prefix a token at a time, as a decoding loop does
         scores = proc(torch.tensor([ids[:i]], dtype=torch.long), torch.zeros(1, len(tok)))
     if prefix:
         assert proc.text_chars == [len(prefix)]
-    assert torch.equal(scores[0].isfinite(), _bounded_text_mask(tok, prefix, bound))
+    assert torch.equal(scores[0].isfinite(), _bounded_mask(tok, tools, prefix, bound))
+
+
+def test_message_bound_ignores_a_tool_call_and_narrow_logits(smollm2_tokenizer):
+    """A row that opened a tool call is not a message; logits narrower than the vocabulary are masked on
+    the columns they have; the vocabulary's character table is built once per tokenizer."""
+    from trace_lib.agent.grammar import token_chars
+
+    tok = smollm2_tokenizer
+    assert token_chars(tok, len(tok)) is token_chars(tok, len(tok))
+    proc = make_tool_call_processor(tok, TOOLS, vocab_size=len(tok), max_text_chars=3)
+    call = tok('<tool_call>\n{"name": "list_all", "arguments": {}}', add_special_tokens=False)["input_ids"]
+    for i in range(len(call) + 1):
+        scores = proc(torch.tensor([call[:i]], dtype=torch.long), torch.zeros(1, len(tok) - 16))
+    assert proc.text_chars == [None] and not proc.rejected[0]
+    assert scores.shape[-1] == len(tok) - 16 and scores[0].isfinite().any()
+    short = make_tool_call_processor(tok, [], vocab_size=len(tok), max_text_chars=2)
+    ids = tok("Hi", add_special_tokens=False)["input_ids"]
+    for i in range(len(ids) + 1):
+        scores = short(torch.tensor([ids[:i]], dtype=torch.long), torch.zeros(1, len(tok) - 16))
+    assert short.text_chars == [2]
+    assert scores[0].isfinite().nonzero().flatten().tolist() == [tok.convert_tokens_to_ids("<|im_end|>")]
 
 
 def test_message_bound_holds_while_decoding(policy):
@@ -202,7 +230,7 @@ def test_message_bound_holds_while_decoding(policy):
                                 require_tool_call=[True, False] * 3)
     texts = [g for g in gens if not g.text.startswith("<tool_call>")]
     assert texts and all(len(g.text) <= 12 and g.finish_reason == "stop" for g in texts)
-    assert any(len(g.text) > 12 for g in gens if g.message.tool_calls)
+    assert any(g.message.tool_calls and g.finish_reason == "stop" for g in gens)  # calls are longer: not cut
 
 
 def test_message_bound_must_be_positive(smollm2_tokenizer):

@@ -151,7 +151,8 @@ class Policy:
         self.adapter: str | None = None
         self.stats = GenerationStats()
         self.grammar_options: dict[str, Any] = {}
-        """Extra options for constrained decoding (see grammar.tool_turn_grammar)."""
+        """Extra options for constrained decoding (grammar.make_tool_call_processor: e.g. max_string_chars,
+        max_text_chars, require_tool_call)."""
         self._prefixes: dict[tuple[str | None, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._sessions: dict[Hashable, _Session] = {}
         self.stop_ids = _stop_token_ids(model, tokenizer)
