@@ -512,8 +512,11 @@ PROFILES: dict[str, dict[str, Any]] = {
         # bf16 ~1.8x faster than fp32 (AVX-512 bf16); the CPU even where a GPU is present (the default's bytes)
         "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "cpu"},
         "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4},  # 7 families x 2 = 14 tasks per split
-        # temperature 0.3 and a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted
-        "rollout": {"samples_per_task": 2, "temperature": 0.3, "max_new_tokens": 96, "batch_size": 8,
+        # temperature 0.3 and a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted.
+        # 16 episodes per batch: a decoding step streams every weight once whatever the rows, so 16 rows cost
+        # ~1.2-1.4x a step of 8, and the rollout stage's work took 105 s against 175-233 s at 8 (2026-11-27,
+        # benchmarks/README.md: rollout_batch.py); the evaluate stage decodes a method's 14 tasks as one batch
+        "rollout": {"samples_per_task": 2, "temperature": 0.3, "max_new_tokens": 96, "batch_size": 16,
                     "constrained": True, "tool_choice": "first"},
         # difficulty 0: at 1 the CPU model solved none of 16 training episodes, so GRPO had no signal
         "synthesize": {"difficulty": 0, "validation": {"band": False}},
