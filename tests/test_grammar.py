@@ -165,12 +165,8 @@ def _bounded_mask(tokenizer, tools: list, prefix: str, max_text_chars: int) -> t
     from trace_lib.agent import grammar
 
     text = xgr.Grammar.from_ebnf(f'root ::= [^<{{ \\t\\r\\n] [^<]{{0,{max_text_chars - 1}}}')
-    saved = grammar.TEXT_EBNF
-    try:  # the tool call part exactly as the module builds it
-        grammar.TEXT_EBNF = 'root ::= "<tool_call>"'
-        rule = xgr.Grammar.union(grammar.tool_turn_grammar(tools, require_tool_call=True), text) if tools else text
-    finally:
-        grammar.TEXT_EBNF = saved
+    # the tool call part exactly as the module builds it (a required call has no message rule)
+    rule = xgr.Grammar.union(grammar.tool_turn_grammar(tools, require_tool_call=True), text) if tools else text
     compiled = grammar._compiler(tokenizer, len(tokenizer)).compile_grammar(rule)
     matcher = xgr.GrammarMatcher(compiled)
     assert matcher.accept_string(prefix) if prefix else True

@@ -154,7 +154,12 @@ class TokenChars:
 
     chars: list[int]
     opens: list[bool]
+    longest: int = field(init=False)
+    """The most characters one token adds (with fewer left than this, a bound can bite)."""
     _on: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.longest = max(self.chars)
 
     @classmethod
     def of(cls, info: Any) -> TokenChars:
@@ -164,10 +169,6 @@ class TokenChars:
         for stop in info.stop_token_ids:
             chars[stop] = 0
         return cls(chars, [tok[:1] == b"<" for tok in vocab])
-
-    @property
-    def longest(self) -> int:
-        return max(self.chars)
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(chars, opens) as tensors on `device`, made once per device."""

@@ -281,8 +281,8 @@ class DistillGRPOTrainer(AgentGRPOTrainer):
     per-token `distill_advantages` (TRL's loss takes advantages of shape rows x tokens). Everything else
     (optimizer, checkpoints, resume, ledger, snapshots) is the GRPO trainer's. The authors' code does the
     same with one student episode per task (their 'ppo_surrogate' loss); here the K episodes of a seed
-    share their prompt's pass. Teacher and student log-probs are taken at the sampling temperature (the train stage's
-student samples at 1, so they are the models' own).
+    share their prompt's pass. Teacher and student log-probs are taken at the sampling temperature (the train
+    stage's student samples at 1, so they are the models' own).
     """
 
     teachers: Any = None
