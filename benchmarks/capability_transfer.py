@@ -42,6 +42,8 @@ def _params(args: argparse.Namespace) -> dict:
     train = {"iterations": args.iterations, "hint_fraction": args.hint_fraction, "start_late": args.start_late,
              "reward": {"partial_credit": args.partial_credit}, "snapshots": args.eval_every > 0,
              "save_every": args.eval_every or args.iterations, "baselines": [], "distill": {"iterations": 0}}
+    if args.no_prompt_grad:
+        train["prompt_grad"] = False
     for key in ("groups", "group_size", "learning_rate", "temperature"):
         if getattr(args, key) is not None:
             train[key] = getattr(args, key)
@@ -79,6 +81,8 @@ def main() -> None:
     ap.add_argument("--hint-fraction", type=float, default=0.5)
     ap.add_argument("--start-late", type=float, default=0.0)
     ap.add_argument("--partial-credit", type=float, default=0.5)
+    ap.add_argument("--no-prompt-grad", action="store_true",
+                    help="train.prompt_grad false: the loss pass without the prompt's gradient")
     ap.add_argument("--difficulty", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=0)
@@ -103,7 +107,8 @@ def main() -> None:
     result: dict = {"capability": args.capability, "device_profile": args.profile,
                     "train": params.train.model_dump(mode="json", include={"iterations", "groups", "group_size",
                                                                            "learning_rate", "temperature",
-                                                                           "hint_fraction", "start_late"}),
+                                                                           "hint_fraction", "start_late",
+                                                                           "prompt_grad"}),
                     "difficulty": params.synthesize.difficulty, "setup_seconds": round(time.perf_counter() - t0, 1)}
     out = root / "adapters"
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
@@ -114,7 +119,12 @@ def main() -> None:
                                   timing_path=out / "timing.json")
         result["rollouts"] = m.rollouts_used
         result["train_seconds"] = round(time.perf_counter() - t0, 1)
-        result["seconds_per_iteration"] = read_timing(out / "timing.json").get("seconds_per_iteration")
+        timing = read_timing(out / "timing.json")
+        result["seconds_per_iteration"] = timing.get("seconds_per_iteration")
+        # per iteration: sampling (the rollout function) and the rest (the update)
+        result["timing"] = [{"iteration": t["iteration"], "sampling_seconds": round(t.get("rollout_seconds", 0.0), 1),
+                             "update_seconds": round(t["seconds"] - t.get("rollout_seconds", 0.0), 1)}
+                            for t in timing.get("iterations", [])]
         result["curve"] = [{k: row.get(k) for k in ("iteration", "rollouts", "success_rate", "success_rate_unhinted",
                                                      "env_score", "frac_reward_zero_std", "preplayed_steps")}
                            for row in read_train_log(out / args.capability)]

@@ -1,8 +1,8 @@
 """Does an adapter learn its capability, and with which settings? One synthetic environment, the same
 seed and budget, one arm per combination of `train.learning_rate`, `train.hint_fraction`,
-`train.reward.partial_credit` and `train.start_late` given; each adapter's training curve and its held-out
-success (greedy, whole episodes, seeds from `INTERFERENCE_SEED0` up: never a training or validation seed),
-with `--eval-every k` also that of the snapshot after every k-th iteration (the held-out curve).
+`train.reward.partial_credit`, `train.start_late` and `train.prompt_grad` given; each adapter's training curve
+and its held-out success (greedy, whole episodes, seeds from `INTERFERENCE_SEED0` up: never a training or
+validation seed), with `--eval-every k` also that of the snapshot after every k-th iteration (the held-out curve).
 
 Reads the outputs of `dvc repro` under --root (data/model, data/envs) and its params.yaml; writes the
 adapters under --out (default a temporary folder) and prints one JSON object.
@@ -11,6 +11,8 @@ adapters under --out (default a temporary folder) and prints one JSON object.
         --fractions 0,0.5 --partial-credits 0 --seeds 16
     .venv/bin/python benchmarks/hint_swap.py --capability communicate_result --iterations 6 \
         --lrs 1e-4,2e-4,5e-4 --fractions 0 --partial-credits 0.5 --eval-every 2 --seeds 16
+    .venv/bin/python benchmarks/hint_swap.py --capability communicate_result --iterations 10 \
+        --fractions 0 --partial-credits 0.5 --start-lates 1 --prompt-grads 1,0 --eval-every 5 --seeds 16
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def main() -> None:
     ap.add_argument("--lrs", default="", help="train.learning_rate values (default: the params')")
     ap.add_argument("--start-lates", default="",
                     help="train.start_late values (reverse curriculum; default: the params')")
+    ap.add_argument("--prompt-grads", default="",
+                    help="train.prompt_grad values, 1 or 0 (the loss pass's gradient through the prompt; "
+                         "default: the params')")
     ap.add_argument("--groups", type=int, default=0, help="train.groups (0: the params')")
     ap.add_argument("--seed", type=int, default=None, help="training seed (default: the params' seed)")
     ap.add_argument("--eval-every", type=int, default=0,
@@ -67,17 +72,21 @@ def main() -> None:
         adapters = {}
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [params.train.learning_rate]
         lates = [float(x) for x in args.start_lates.split(",")] if args.start_lates else [params.train.start_late]
-        arms = [(lr, float(f), float(c), late) for lr in lrs for f in args.fractions.split(",")
-                for c in args.partial_credits.split(",") for late in lates]
-        for lr, fraction, credit, late in arms:
+        pgs = [x.strip() == "1" for x in args.prompt_grads.split(",")] if args.prompt_grads else [
+            params.train.prompt_grad]
+        arms = [(lr, float(f), float(c), late, pg) for lr in lrs for f in args.fractions.split(",")
+                for c in args.partial_credits.split(",") for late in lates for pg in pgs]
+        for lr, fraction, credit, late, prompt_grad in arms:
             # adapter names may not contain "."
             name = (f"hint{round(100 * fraction)}-pc{round(100 * credit)}"
                     + (f"-lr{lr:.2e}".replace(".", "p") if args.lrs else "")
                     + (f"-late{round(100 * late)}" if args.start_lates else "")
+                    + (f"-pg{int(prompt_grad)}" if args.prompt_grads else "")
                     + (f"-s{seed}" if args.seed is not None else ""))
             cfg = params.train.model_copy(update={"hint_fraction": fraction, "iterations": args.iterations,
                                                   "start_late": late, "groups": args.groups or params.train.groups,
                                                   "learning_rate": lr, "snapshots": args.eval_every > 0,
+                                                  "prompt_grad": prompt_grad,
                                                   "save_every": args.eval_every or params.train.save_every,
                                                   "reward": params.train.reward.model_copy(
                                                       update={"partial_credit": credit})})
@@ -94,6 +103,7 @@ def main() -> None:
                 adapters[f"{name}-{snap.name}"] = str(snap)
             result["arms"][name] = {
                 "learning_rate": lr, "hint_fraction": fraction, "partial_credit": credit, "start_late": late,
+                "prompt_grad": prompt_grad,
                 "rollouts": m.rollouts_used,
                 "train_seconds": round(time.perf_counter() - t0, 1),
                 "curve": [{k: row.get(k) for k in ("iteration", "success_rate", "hinted", "success_rate_unhinted",

@@ -1,13 +1,16 @@
-"""GRPO's loss pass three ways on the same recorded batches: prefix tree, prompts-only tree, padded groups.
+"""GRPO's loss pass on the same recorded batches: prefix tree (with and without the prompt's gradient),
+prompts-only tree, padded groups.
 
 Records the loss pass's inputs of a short GRPO run (the train stage's code, as `train_step.py --rows ours`:
 template environment of `--capability`, the cpu profile's groups, bf16 base weights), then times forward +
-backward on each recorded batch once per way per round, the order of the ways rotating, for `--rounds`
-rounds:
+backward on each recorded batch once per way per round (`--ways`; the first is the reference the others are
+compared with), the order of the ways rotating, for `--rounds` rounds (`--start-late`: the run records
+episodes that start after the reference's lookups, `train.start_late`, so the prompts hold the lookup's result):
 
     tree          `training/shared_prompt.grouped_logps`: every stretch rows share runs once, the rows' own
                   parts after it in padded batches where the padding costs less than a call
     prompt-tree   the same with `share_completions=False`: only prompt tokens are shared
+    tree-nopg     `tree` with `prompt_grad=False`: each row's prompt (but its last token) without gradient
     padded        the pass before prefix trees (`padded_groups_logps` below): the prompt tokens all rows
                   share once, each group's prompt once, each group's completions one batch padded to its
                   longest
@@ -15,12 +18,13 @@ rounds:
 The loss is the log-probs times fixed per-row weights (both signs, like advantages), on a freshly initialised
 LoRA adapter with non-zero B, so every LoRA weight gets a gradient. Also reported per batch: the token
 positions each way runs through the decoder, and how far each tree's log-probs and gradients are from the
-padded pass's (the largest log-prob difference; the largest over LoRA tensors of the gradient difference's
-norm over the gradient's norm). bf16 rounds differently in other batch shapes, so the prompt-only tree,
-which computes the same as the padded pass but for the batch shapes, gives the floor; fp32 agreement
-is a unit test.
+reference way's (the largest log-prob difference; the largest over LoRA tensors of the gradient difference's
+norm over the gradient's norm; the cosine of the whole gradients). bf16 rounds differently in other batch
+shapes, so the prompt-only tree, which computes the same as the padded pass but for the batch shapes, gives
+the floor; fp32 agreement is a unit test.
 
-    .venv/bin/python benchmarks/loss_pass.py --iterations 2 --rounds 3
+    .venv/bin/python benchmarks/loss_pass.py --iterations 2 --rounds 3 --ways padded,tree,prompt-tree
+    .venv/bin/python benchmarks/loss_pass.py --iterations 2 --rounds 3 --ways tree,tree-nopg --start-late 1
 """
 
 from __future__ import annotations
@@ -36,23 +40,24 @@ import torch
 
 import trace_lib.training.trainer as trainer_mod
 from trace_lib.config import load_params
-from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.stages.train import _synthetic_source
 from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
 from trace_lib.training.budget import RolloutLedger
-from trace_lib.training.grpo import TrainSource
 from transformers.cache_utils import DynamicCache
 
 from trace_lib.training.shared_prompt import (_expand, _low_precision, decoder_and_head, grouped_logps,
                                              scored_sequences, shared_spans, work_units)
 
 
-def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path) -> list[dict]:
+def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path, start_late: float = 0.0,
+                   groups: int = 0) -> list[dict]:
     """The inputs of every loss pass (calls with gradients) of a GRPO run of `iterations`."""
     params = load_params("params.yaml")
     cfg = params.train.model_copy(update={"iterations": iterations, "save_every": iterations, "snapshots": False,
-                                          "shared_prompt": True, "dtype": "bfloat16"})
+                                          "shared_prompt": True, "dtype": "bfloat16", "start_late": start_late,
+                                          "groups": groups or params.train.groups})
     batches: list[dict] = []
     real = trainer_mod.grouped_logps
 
@@ -68,9 +73,8 @@ def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path)
     trainer_mod.grouped_logps = recording
     try:
         with SandboxProcess(module, SandboxLimits(timeout_s=30, cpu_s=3600, memory_mb=2048)) as box:
-            source = TrainSource(capability, lambda: SyntheticEnv(box, params.env, max_steps=cfg.max_steps_per_episode),
-                                 lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty,
-                                                               "train"))
+            # the train stage's source: with the reference solution a late start plays
+            source = _synthetic_source(box, capability, params.model_copy(update={"train": cfg}))
             trainer_mod.train_adapter_mixture(model_dir, [source], cfg, tmp / "adapter", seed=params.seed,
                                               ledger=RolloutLedger(tmp / "ledger.jsonl"), name="loss_pass")
     finally:
@@ -153,7 +157,7 @@ def padded_groups_logps(
     return logps, entropies
 
 
-WAYS = ("tree", "prompt-tree", "padded")
+WAYS = ("tree", "tree-nopg", "prompt-tree", "padded")
 
 
 def decoder_tokens(batch: dict, way: str) -> int:
@@ -167,8 +171,18 @@ def decoder_tokens(batch: dict, way: str) -> int:
         return shared + sum(len(p) - shared + len(rows) * int(mask[rows, width:].sum(-1).max())
                             for rows, p in zip(groups, prompts))
     seqs, _, plens = scored_sequences(ids, mask, n, batch["score_mask"])
-    spans = shared_spans([s.tolist() for s in seqs], None if way == "tree" else plens)
+    breaks = [p - 1 for p in plens] if way == "tree-nopg" else None
+    spans = shared_spans([s.tolist() for s in seqs], None if way.startswith("tree") else plens, breaks)
     return sum(len(unit) * max(spans[j].end - spans[j].start for j in unit) for unit in work_units(spans))
+
+
+def prompt_tokens_without_grad(batch: dict) -> int:
+    """Token positions `tree-nopg` runs without gradient (each row's prompt but its last token, once per span)."""
+    seqs, _, plens = scored_sequences(batch["input_ids"], batch["attention_mask"], batch["logits_to_keep"],
+                                      batch["score_mask"])
+    breaks = [p - 1 for p in plens]
+    spans = shared_spans([s.tolist() for s in seqs], None, breaks)
+    return sum(s.end - s.start for s in spans if all(s.end <= breaks[r] for r in s.rows))
 
 
 def timed_pass(model, batch: dict, weights: torch.Tensor, way: str) -> tuple[float, torch.Tensor, list]:
@@ -178,7 +192,7 @@ def timed_pass(model, batch: dict, weights: torch.Tensor, way: str) -> tuple[flo
     if way == "padded":
         logps, _ = padded_groups_logps(*args)
     else:
-        logps, _ = grouped_logps(*args, share_completions=way == "tree")
+        logps, _ = grouped_logps(*args, share_completions=way.startswith("tree"), prompt_grad=way != "tree-nopg")
     grads = torch.autograd.grad((logps * weights[:, None]).sum(), params)
     return time.perf_counter() - t0, logps.detach(), grads
 
@@ -190,6 +204,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"of {', '.join(WAYS)}; the first is the reference")
+    ap.add_argument("--start-late", type=float, default=0.0, help="train.start_late of the recorded run")
+    ap.add_argument("--groups", type=int, default=0, help="train.groups of the recorded run (0: the params')")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
     ap.add_argument("--batches", default="", help="a torch file of recorded batches: read if it exists, "
                                                   "else written after recording")
@@ -199,7 +216,8 @@ def main() -> None:
         batches = torch.load(args.batches)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            batches = record_batches(Path(args.model_dir), args.capability, args.iterations, Path(tmp))
+            batches = record_batches(Path(args.model_dir), args.capability, args.iterations, Path(tmp),
+                                     args.start_late, args.groups)
         if args.batches:
             torch.save(batches, args.batches)
     if not batches:
@@ -213,37 +231,46 @@ def main() -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.01)
+    ways = args.ways.split(",")
+    if not ways or any(w not in WAYS for w in ways):
+        raise SystemExit(f"--ways: each of {', '.join(WAYS)}; got {args.ways!r}")
+    ref = ways[0]
     results = []
     for b, batch in enumerate(batches):
         rows = batch["input_ids"].shape[0]
         weights = torch.linspace(-1, 1, rows)
-        seconds: dict[str, list[float]] = {w: [] for w in WAYS}
+        seconds: dict[str, list[float]] = {w: [] for w in ways}
         out: dict[str, tuple] = {}
         for r in range(args.rounds):
-            for way in WAYS[r % 3:] + WAYS[:r % 3]:
+            for way in ways[r % len(ways):] + ways[:r % len(ways)]:
                 s, logps, grads = timed_pass(model, batch, weights, way)
                 seconds[way].append(s)
                 out[way] = (logps, grads)
-        def apart(way: str) -> tuple[float, float]:  # largest |logp difference|, gradient difference / norm
-            diff = (out[way][0] - out["padded"][0]).abs().max()
-            rel = max(float((a - c).norm() / c.norm().clamp_min(1e-12)) for a, c in zip(out[way][1], out["padded"][1]))
-            return round(float(diff), 4), round(rel, 4)
+        def apart(way: str) -> tuple[float, float, float]:
+            """Largest |log-prob difference|; largest gradient difference / norm over LoRA tensors; cosine of
+            the whole gradients (all LoRA tensors as one vector)."""
+            diff = (out[way][0] - out[ref][0]).abs().max()
+            rel = max(float((a - c).norm() / c.norm().clamp_min(1e-12)) for a, c in zip(out[way][1], out[ref][1]))
+            g, h = (torch.cat([t.flatten().float() for t in out[w][1]]) for w in (way, ref))
+            cos = float(g @ h / (g.norm() * h.norm()).clamp_min(1e-12))
+            return round(float(diff), 4), round(rel, 4), round(cos, 4)
 
         score = batch["score_mask"]
         results.append({
             "batch": b, "rows": rows, "scored_tokens": None if score is None else int(score.sum()),
-            **{f"decoder_tokens_{w}": decoder_tokens(batch, w) for w in WAYS},
-            **{f"seconds_{w}": [round(x, 2) for x in seconds[w]] for w in WAYS},
-            **{f"{w}_vs_padded_logp_grad": apart(w) for w in ("tree", "prompt-tree")}})
+            "prompt_tokens_without_grad": prompt_tokens_without_grad(batch),
+            **{f"decoder_tokens_{w}": decoder_tokens(batch, w) for w in ways},
+            **{f"seconds_{w}": [round(x, 2) for x in seconds[w]] for w in ways},
+            **{f"{w}_vs_{ref}_logp_grad_cos": apart(w) for w in ways[1:]}})
         print(json.dumps(results[-1]), flush=True)
-    med = {w: sum(sorted(r[f"seconds_{w}"])[len(r[f"seconds_{w}"]) // 2] for r in results) for w in WAYS}
+    med = {w: sum(sorted(r[f"seconds_{w}"])[len(r[f"seconds_{w}"]) // 2] for r in results) for w in ways}
     print(f"\ncapability={args.capability} batches={len(batches)} rounds={args.rounds} threads={args.threads} "
-          f"torch={torch.__version__}")
-    print("| way | decoder token positions | s (sum of per-batch medians) | vs padded |")
+          f"start_late={args.start_late} torch={torch.__version__}")
+    print(f"| way | decoder token positions | s (sum of per-batch medians) | vs {ref} |")
     print("| --- | ---: | ---: | ---: |")
-    for w in WAYS:
+    for w in ways:
         tokens = sum(r[f"decoder_tokens_{w}"] for r in results)
-        print(f"| {w} | {tokens} | {med[w]:.2f} | {med[w] / med['padded']:.2f}x |")
+        print(f"| {w} | {tokens} | {med[w]:.2f} | {med[w] / med[ref]:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -59,6 +59,8 @@ def test_profile_overrides_lists_only_values_that_differ():
         ({"rollout": {"batch_size": 0}}, "rollout.batch_size"),
         ({"env": {"max_steps": -1}}, "env.max_steps"),
         ({"profile": "tpu"}, "profile"),
+        ({"train": {"prompt_grad": False, "shared_prompt": False}},
+         "train.prompt_grad: false needs train.shared_prompt"),
     ],
 )
 def test_bad_keys_and_types_name_the_key(data, key):

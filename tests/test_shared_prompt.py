@@ -163,3 +163,53 @@ def test_nothing_to_score_gives_zeros_and_an_empty_prompt_is_refused(lora_model)
     mask[0, :7] = 0
     with pytest.raises(ValueError, match="empty prompt"):
         grouped_logps(lora_model, ids, mask, width, score)
+
+
+def test_shared_spans_end_at_breaks():
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 7, 8]]
+    spans = shared_spans(seqs, breaks=[3, 3, 1])
+    assert spans == [
+        Span((0, 1, 2), 0, 1, -1), Span((0, 1, 2), 1, 2, 0),  # row 2's break cuts the common start
+        Span((0, 1), 2, 3, 1), Span((0, 1), 3, 4, 2),  # rows 0 and 1 break at 3 and share on
+        Span((0,), 4, 5, 3), Span((1,), 4, 5, 3),
+        Span((2,), 2, 4, 1)]
+    # a row's own part is cut at its break too, and the part after it is never batched with its siblings
+    spans = shared_spans([[1, 2, 3, 4], [1, 5, 6]], breaks=[3, 2])
+    assert spans == [Span((0, 1), 0, 1, -1), Span((0,), 1, 3, 0), Span((0,), 3, 4, 1), Span((1,), 1, 2, 0),
+                     Span((1,), 2, 3, 3)]
+    assert leaf_batches(spans, call_cost=10**6) == [[2], [4]]
+
+
+def _row_by_row_detached_prompt(model, ids, mask, width):
+    """`_row_by_row` with each row's prompt but its last token computed without gradient."""
+    from transformers.cache_utils import DynamicCache
+
+    out = []
+    for i in range(ids.shape[0]):
+        row = ids[i][mask[i].bool()][None]
+        n = int(mask[i, -width:].sum())
+        plen = row.shape[1] - n
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=row[:, :plen - 1], past_key_values=cache, use_cache=True)
+        logits = model(input_ids=row[:, plen - 1:], past_key_values=cache, use_cache=True).logits
+        picked = logits.float().log_softmax(-1)[0, :-1].gather(-1, row[0, plen:, None]).squeeze(-1)
+        out.append(torch.cat([picked, picked.new_zeros(width - n)]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_without_prompt_grad_the_logps_stay_and_the_gradient_is_the_detached_prompts(lora_model, share):
+    ids, mask, width, score = _batch_with_common_starts()
+    weights = torch.linspace(-1, 1, ids.shape[0])[:, None]
+    params = [p for p in lora_model.parameters() if p.requires_grad]
+    ref = _row_by_row_detached_prompt(lora_model, ids, mask, width)
+    ref_grads = torch.autograd.grad((ref * score * weights).sum(), params)
+    full_grads = torch.autograd.grad((_row_by_row(lora_model, ids, mask, width) * score * weights).sum(), params)
+    logps, _ = grouped_logps(lora_model, ids, mask, width, score, share_completions=share, prompt_grad=False)
+    grads = torch.autograd.grad((logps * score * weights).sum(), params)
+    assert torch.allclose(logps * score, ref * score, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    # the prompt's part of the gradient is really left out
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, full_grads)) > 1e-3

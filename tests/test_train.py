@@ -806,6 +806,26 @@ def test_the_shared_prompt_pass_scores_at_the_sampling_temperature_as_trls_own(t
     assert float((mine[scored] - at_one[scored]).abs().max()) > 1e-2
 
 
+def test_prompt_grad_false_reaches_the_loss_pass(tiny_model_dir, tmp_path, monkeypatch):
+    """`train.prompt_grad: false` is what the trainer's loss pass runs with (its effect on the gradient:
+    tests/test_shared_prompt.py)."""
+    import trace_lib.training.trainer as train_mod
+
+    seen: list = []
+    real = train_mod.grouped_logps
+
+    def spy(*args, **kwargs):
+        if torch.is_grad_enabled():
+            seen.append(kwargs.get("prompt_grad", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "grouped_logps", spy)
+    cfg = TrainConfig(**{**FAST, "iterations": 1, "group_size": 4, "temperature": 0.5, "prompt_grad": False})
+    train_adapter_mixture(tiny_model_dir, [TrainSource("p", lambda: ParityEnv(max_steps=3), kv_tasks)], cfg,
+                          tmp_path / "p", seed=0, ledger=RolloutLedger(tmp_path / "ledger.jsonl"), name="p")
+    assert seen and not any(seen)
+
+
 def test_grouped_logps_refuse_a_temperature_of_zero(tiny_model_dir):
     from trace_lib.training.shared_prompt import grouped_logps
 

@@ -365,6 +365,12 @@ class TrainConfig(Section):
     """Compute every stretch of tokens several episodes share (the prompt, a group's common first tool call
     and result) once per loss pass, score only the agent's tokens (training/shared_prompt.py); False: TRL's
     own pass over every row (with activation checkpointing)."""
+    prompt_grad: bool = True
+    """With `shared_prompt`: whether the loss pass takes the gradient through each episode's prompt (system
+    turn, tools, opening, steps played by `start_late`). False runs the prompt without gradient, its keys and
+    values constants to the agent's tokens: the same log-probs, a cheaper update where prompts are most of
+    the tokens, and a gradient that leaves out how the adapter changes the prompt's encoding
+    (benchmarks/README.md: prompt_grad)."""
     processes: int = Field(1, ge=1)
     """Training processes on this machine (DDP): above 1 the train stage relaunches itself under
     `accelerate launch` (training/distributed.py), each process plays and trains `groups / processes`
@@ -385,6 +391,9 @@ class TrainConfig(Section):
         if self.processes > 1 and self.groups % self.processes:
             raise ValueError(f"train.groups ({self.groups}) must be a multiple of train.processes ({self.processes}):"
                              " each process trains whole groups")
+        if not self.prompt_grad and not self.shared_prompt:
+            raise ValueError("train.prompt_grad: false needs train.shared_prompt (TRL's own pass always takes the "
+                             "prompt's gradient)")
         if self.processes > 1 and not self.shared_prompt:
             raise ValueError("train.processes > 1 needs train.shared_prompt (the loss pass whose gradients trace "
                              "averages across processes)")

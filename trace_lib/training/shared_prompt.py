@@ -21,6 +21,7 @@ which the loss multiplies by a zero mask anyway. `benchmarks/loss_pass.py` and `
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -49,14 +50,19 @@ class Span:
     """Index of the span this one continues (-1: it starts the sequences)."""
 
 
-def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | None = None) -> list[Span]:
+def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | None = None,
+                 breaks: Sequence[int] | None = None) -> list[Span]:
     """The sequences as a prefix tree of spans, each parent before its children; the spans on a row's path
     cover its tokens once each. Row i shares none of its tokens past `share_until[i]` (default: all may be
-    shared); an empty sequence has no span."""
+    shared), and no span of row i crosses position `breaks[i]` (one ends there); an empty sequence has no span."""
     limits = [len(s) if share_until is None else min(len(s), u) for s, u in zip(seqs, share_until or seqs)]
+    cuts = [0] * len(seqs) if breaks is None else list(breaks)
     spans: list[Span] = []
 
     def leaf(r: int, start: int, parent: int) -> None:
+        if start < cuts[r] < len(seqs[r]):
+            spans.append(Span((r,), start, cuts[r], parent))
+            start, parent = cuts[r], len(spans) - 1
         if len(seqs[r]) > start:
             spans.append(Span((r,), start, len(seqs[r]), parent))
 
@@ -67,6 +73,7 @@ def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | Non
             return leaf(rows[0], start, parent)
         cap = min(limits[r] for r in rows)
         n = len(os.path.commonprefix([list(seqs[r][start:cap]) for r in rows])) if cap > start else 0
+        n = min([n, *(cuts[r] - start for r in rows if cuts[r] > start)])
         if n:
             spans.append(Span(tuple(rows), start, start + n, parent))
             start, parent = start + n, len(spans) - 1
@@ -94,10 +101,12 @@ modules); running each episode's own part as its own call was 6% slower than pad
 
 def leaf_batches(spans: Sequence[Span], call_cost: int = CALL_COST_TOKENS) -> list[list[int]]:
     """The one-row spans (a row's own part) grouped into padded batches: siblings (same parent) only, longest
-    first, each joining its batch while it is at most `call_cost` tokens shorter than the batch's longest."""
+    first, each joining its batch while it is at most `call_cost` tokens shorter than the batch's longest. A
+    one-row span that others continue (cut at a break) stays alone."""
+    parents = {span.parent for span in spans}
     siblings: dict[int, list[int]] = {}
     for j, span in enumerate(spans):
-        if len(span.rows) == 1:
+        if len(span.rows) == 1 and j not in parents:
             siblings.setdefault(span.parent, []).append(j)
     batches: list[list[int]] = []
     for leaves in siblings.values():
@@ -189,6 +198,7 @@ def grouped_logps(
     compute_entropy: bool = False,
     share_completions: bool = True,
     temperature: float = 1.0,
+    prompt_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs, entropies), each (rows, logits_to_keep), of the completion tokens.
 
@@ -199,6 +209,10 @@ def grouped_logps(
     completion is its own part (a group's episodes usually share their first tool call and its result).
     `temperature` divides the logits before the softmax, as TRL's own pass does, so that the gradient is that
     of the distribution the rollouts were sampled from.
+
+    Without `prompt_grad`, each row's prompt but its last token (which predicts the first completion token)
+    runs without gradient: the completions attend to its keys and values as constants. The log-probs are the
+    same; the gradient leaves out how the adapter changes the prompt's encoding (`train.prompt_grad`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -206,10 +220,12 @@ def grouped_logps(
     logps = torch.zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     seqs, scored, plens = scored_sequences(input_ids, attention_mask, logits_to_keep, score_mask)
-    spans = shared_spans([s.tolist() for s in seqs], None if share_completions else plens)
+    breaks = None if prompt_grad else [n - 1 for n in plens]
+    spans = shared_spans([s.tolist() for s in seqs], None if share_completions else plens, breaks)
     if not spans:
         return logps, entropies
     units = work_units(spans)
+    parents = {span.parent for span in spans}
     caches: dict[int, DynamicCache] = {}
     last: dict[int, torch.Tensor] = {}  # a shared span's last hidden state: it predicts its children's first token
     at_rows, at_cols, values, ents = [], [], [], []
@@ -226,9 +242,11 @@ def grouped_logps(
             mask = None if min(lens) == width_u else torch.cat([valid.new_ones(b, start), valid], dim=1).long()
             cache = _expand(caches[parent], b) if parent >= 0 else DynamicCache()
             positions = torch.arange(start, start + width_u, device=ids.device)[None].expand(b, -1)
-            hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True).last_hidden_state
-            if b == 1 and len(members[0].rows) > 1:  # a shared span: the spans after it continue from it
+            context = breaks is not None and all(m.end <= breaks[r] for m in members for r in m.rows)
+            with torch.no_grad() if context else nullcontext():
+                hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                 use_cache=True).last_hidden_state
+            if b == 1 and unit[0] in parents:  # the spans after this one continue from it
                 caches[unit[0]], last[unit[0]] = cache, hidden[:, -1:]
             # the hidden state before token t predicts it; a span's first token, its parent's last one (a
             # sequence's first token is a prompt token, never scored)

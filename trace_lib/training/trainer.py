@@ -214,6 +214,8 @@ class AgentGRPOTrainer(GRPOTrainer):
     """
 
     shared_prompt: bool = False
+    prompt_grad: bool = True
+    """With `shared_prompt`: False runs each row's prompt without gradient (`grouped_logps`)."""
     _score_mask: Any = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -253,7 +255,8 @@ class AgentGRPOTrainer(GRPOTrainer):
             score = None
         with self.accelerator.autocast():
             logps, entropies = grouped_logps(model, input_ids, attention_mask, logits_to_keep, score,
-                                             compute_entropy, temperature=self.temperature)
+                                             compute_entropy, temperature=self.temperature,
+                                             prompt_grad=self.prompt_grad)
         return logps, entropies, None
 
 
@@ -593,6 +596,7 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
                                train_dataset=train_dataset(sources, cfg, seed), processing_class=tok,
                                rollout_func=rollout, callbacks=[callback])
     trainer.shared_prompt = cfg.shared_prompt
+    trainer.prompt_grad = cfg.prompt_grad
     if not progress:  # with tqdm off, HF prints every log dict instead; our log is train_log.jsonl
         trainer.remove_callback(PrinterCallback)
     return trainer
