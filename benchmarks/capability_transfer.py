@@ -4,7 +4,9 @@ One run from nothing: the model prepared under --root (if missing), the capabili
 synthesized and validated there, one adapter trained on it with the given settings (GRPO through the train
 stage's own path), then greedy episodes of the base model, the final adapter and (with --eval-every) its
 snapshots on held-out synthetic tasks and on --target-n tasks per family of the target's --target-split
-(default train: the split used for choosing settings; the test split is for the pipeline's one run).
+(default train: the split used for choosing settings; the test split is for the pipeline's one run). An adapter
+already trained under --root (an earlier run's) is evaluated, not trained again: rerun with other --target-n or
+--families and another --out.
 Prints one JSON object (also written to --out/result.json): training curve, held-out and target successes per
 family, and seconds. Runs on whatever device `--profile` selects (cpu: the CPU default; gpu: CUDA).
 
@@ -30,7 +32,7 @@ from trace_lib.envs import make_env, make_tasks
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, evaluate_policy
 from trace_lib.io import atomic_write_text
-from trace_lib.records import Capability
+from trace_lib.records import AdapterManifest, Capability
 from trace_lib.stages.train import _sandbox_limits, _synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import synthesize_env
@@ -113,12 +115,17 @@ def main() -> None:
     out = root / "adapters"
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
         t0 = time.perf_counter()
-        m = train_adapter_mixture(model_dir, [_synthetic_source(box, args.capability, params)], params.train,
-                                  out / args.capability, seed=args.seed,
-                                  ledger=RolloutLedger(out / "ledger.jsonl"), name=args.capability,
-                                  timing_path=out / "timing.json")
+        done = out / args.capability / "manifest.json"
+        if done.exists():  # an earlier run's adapter under --root: evaluate it (e.g. on more target tasks)
+            m = AdapterManifest.model_validate_json(done.read_text())
+            result["train_seconds"] = None
+        else:
+            m = train_adapter_mixture(model_dir, [_synthetic_source(box, args.capability, params)], params.train,
+                                      out / args.capability, seed=args.seed,
+                                      ledger=RolloutLedger(out / "ledger.jsonl"), name=args.capability,
+                                      timing_path=out / "timing.json")
+            result["train_seconds"] = round(time.perf_counter() - t0, 1)
         result["rollouts"] = m.rollouts_used
-        result["train_seconds"] = round(time.perf_counter() - t0, 1)
         timing = read_timing(out / "timing.json")
         result["seconds_per_iteration"] = timing.get("seconds_per_iteration")
         # per iteration: sampling (the rollout function) and the rest (the update)

@@ -72,8 +72,10 @@ def main() -> None:
         adapters = {}
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [params.train.learning_rate]
         lates = [float(x) for x in args.start_lates.split(",")] if args.start_lates else [params.train.start_late]
-        pgs = [x.strip() == "1" for x in args.prompt_grads.split(",")] if args.prompt_grads else [
-            params.train.prompt_grad]
+        values = [x.strip() for x in args.prompt_grads.split(",")] if args.prompt_grads else []
+        if any(v not in ("0", "1") for v in values):
+            raise SystemExit(f"--prompt-grads: 1 or 0 each, got {args.prompt_grads!r}")
+        pgs = [v == "1" for v in values] or [params.train.prompt_grad]
         arms = [(lr, float(f), float(c), late, pg) for lr in lrs for f in args.fractions.split(",")
                 for c in args.partial_credits.split(",") for late in lates for pg in pgs]
         for lr, fraction, credit, late, prompt_grad in arms:

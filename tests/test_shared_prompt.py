@@ -169,10 +169,10 @@ def test_shared_spans_end_at_breaks():
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 7, 8]]
     spans = shared_spans(seqs, breaks=[3, 3, 1])
     assert spans == [
-        Span((0, 1, 2), 0, 1, -1), Span((0, 1, 2), 1, 2, 0),  # row 2's break cuts the common start
-        Span((0, 1), 2, 3, 1), Span((0, 1), 3, 4, 2),  # rows 0 and 1 break at 3 and share on
-        Span((0,), 4, 5, 3), Span((1,), 4, 5, 3),
-        Span((2,), 2, 4, 1)]
+        Span((0, 1, 2), 0, 1, -1),  # row 2's break cuts the common start; past it, row 2 shares no more
+        Span((0, 1), 1, 3, 0), Span((0, 1), 3, 4, 1),  # rows 0 and 1 break at 3 and share on
+        Span((0,), 4, 5, 2), Span((1,), 4, 5, 2),
+        Span((2,), 1, 4, 0)]
     # a row's own part is cut at its break too, and the part after it is never batched with its siblings
     spans = shared_spans([[1, 2, 3, 4], [1, 5, 6]], breaks=[3, 2])
     assert spans == [Span((0, 1), 0, 1, -1), Span((0,), 1, 3, 0), Span((0,), 3, 4, 1), Span((1,), 1, 2, 0),
@@ -213,3 +213,24 @@ def test_without_prompt_grad_the_logps_stay_and_the_gradient_is_the_detached_pro
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
     # the prompt's part of the gradient is really left out
     assert max(float((a - b).abs().max()) for a, b in zip(grads, full_grads)) > 1e-3
+
+
+def test_a_prompt_is_never_shared_with_a_row_past_its_own_prompt(lora_model):
+    """Row 1's prompt and completion are the start of row 0's prompt: the tokens they have in common are prompt
+    for row 0 and completion for row 1, so they run twice, without gradient for row 0 and with it for row 1."""
+    assert shared_spans([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4]], breaks=[4, 1]) == [
+        Span((0, 1), 0, 1, -1), Span((0,), 1, 4, 0), Span((0,), 4, 6, 1), Span((1,), 1, 4, 0)]
+    toks = [11, 12, 13, 14, 15, 16]
+    ids, mask = torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long)
+    ids[0, :5], mask[0, :6], ids[0, 5] = torch.tensor(toks[:5]), 1, toks[5]  # prompt of 5, completion of 1
+    ids[1, 3:5], ids[1, 5:7], mask[1, 3:7] = torch.tensor(toks[:2]), torch.tensor(toks[2:4]), 1  # 2 and 2
+    width, score = 2, mask[:, 5:].clone()
+    weights = torch.tensor([[1.0], [-0.5]])
+    params = [p for p in lora_model.parameters() if p.requires_grad]
+    ref = _row_by_row_detached_prompt(lora_model, ids, mask, width)
+    ref_grads = torch.autograd.grad((ref * score * weights).sum(), params)
+    logps, _ = grouped_logps(lora_model, ids, mask, width, score, prompt_grad=False)
+    grads = torch.autograd.grad((logps * score * weights).sum(), params)
+    assert torch.allclose(logps * score, ref * score, atol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)

@@ -54,7 +54,8 @@ def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | Non
                  breaks: Sequence[int] | None = None) -> list[Span]:
     """The sequences as a prefix tree of spans, each parent before its children; the spans on a row's path
     cover its tokens once each. Row i shares none of its tokens past `share_until[i]` (default: all may be
-    shared), and no span of row i crosses position `breaks[i]` (one ends there); an empty sequence has no span."""
+    shared), no span of row i crosses position `breaks[i]` (one ends there), and a span before a row's break is
+    shared only with rows that are also before theirs; an empty sequence has no span."""
     limits = [len(s) if share_until is None else min(len(s), u) for s, u in zip(seqs, share_until or seqs)]
     cuts = [0] * len(seqs) if breaks is None else list(breaks)
     spans: list[Span] = []
@@ -77,18 +78,23 @@ def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | Non
         if n:
             spans.append(Span(tuple(rows), start, start + n, parent))
             start, parent = start + n, len(spans) - 1
-        parts: dict[int, list[int]] = {}
+        parts: dict[tuple[int, bool], list[int]] = {}
         for r in rows:
             if len(seqs[r]) <= start:
                 continue  # the row ends here: its tokens are all in the spans above
             if limits[r] <= start:
                 leaf(r, start, parent)  # shares nothing more
             else:
-                parts.setdefault(int(seqs[r][start]), []).append(r)
+                parts.setdefault((int(seqs[r][start]), start < cuts[r]), []).append(r)
         for part in parts.values():
             visit(part, start, parent)
 
-    visit([r for r in range(len(seqs)) if len(seqs[r])], 0, -1)
+    firsts: dict[bool, list[int]] = {}  # rows before their break and rows past it start apart
+    for r in range(len(seqs)):
+        if len(seqs[r]):
+            firsts.setdefault(0 < cuts[r], []).append(r)
+    for rows in firsts.values():
+        visit(rows, 0, -1)
     return spans
 
 
