@@ -47,8 +47,8 @@ from trace_lib.synth.templates import render_template_module
 from trace_lib.training.budget import RolloutLedger
 from transformers.cache_utils import DynamicCache
 
-from trace_lib.training.shared_prompt import (_expand, _low_precision, decoder_and_head, grouped_logps,
-                                             scored_sequences, shared_spans, work_units)
+from trace_lib.training.shared_prompt import (_expand, _low_precision, before_breaks, decoder_and_head, grouped_logps,
+                                             prompt_breaks, scored_sequences, shared_spans, work_units)
 
 
 def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path, start_late: float = 0.0,
@@ -171,7 +171,7 @@ def decoder_tokens(batch: dict, way: str) -> int:
         return shared + sum(len(p) - shared + len(rows) * int(mask[rows, width:].sum(-1).max())
                             for rows, p in zip(groups, prompts))
     seqs, _, plens = scored_sequences(ids, mask, n, batch["score_mask"])
-    breaks = [p - 1 for p in plens] if way == "tree-nopg" else None
+    breaks = prompt_breaks(plens) if way == "tree-nopg" else None
     spans = shared_spans([s.tolist() for s in seqs], None if way.startswith("tree") else plens, breaks)
     return sum(len(unit) * max(spans[j].end - spans[j].start for j in unit) for unit in work_units(spans))
 
@@ -180,9 +180,9 @@ def prompt_tokens_without_grad(batch: dict) -> int:
     """Token positions `tree-nopg` runs without gradient (each row's prompt but its last token, once per span)."""
     seqs, _, plens = scored_sequences(batch["input_ids"], batch["attention_mask"], batch["logits_to_keep"],
                                       batch["score_mask"])
-    breaks = [p - 1 for p in plens]
+    breaks = prompt_breaks(plens)
     spans = shared_spans([s.tolist() for s in seqs], None, breaks)
-    return sum(s.end - s.start for s in spans if all(s.end <= breaks[r] for r in s.rows))
+    return sum(s.end - s.start for s in spans if before_breaks(s, breaks))
 
 
 def timed_pass(model, batch: dict, weights: torch.Tensor, way: str) -> tuple[float, torch.Tensor, list]:

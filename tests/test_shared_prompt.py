@@ -35,15 +35,23 @@ def _batch():
     return ids, mask, width, score
 
 
-def _row_by_row(model, ids, mask, width):
+def _row_by_row(model, ids, mask, width, detach_prompt=False):
+    """Each row's completion log-probs from its own forward pass; with `detach_prompt`, the prompt but its last
+    token runs first without gradient and the rest continues from its cache."""
+    from transformers.cache_utils import DynamicCache
+
     out = []
     for i in range(ids.shape[0]):
-        keep = mask[i].bool()
-        row = ids[i][keep][None]
-        logits = model(input_ids=row).logits.float().log_softmax(-1)
+        row = ids[i][mask[i].bool()][None]
         n = int(mask[i, -width:].sum())
         plen = row.shape[1] - n
-        picked = logits[0, plen - 1:-1].gather(-1, row[0, plen:, None]).squeeze(-1)
+        cut = plen - 1 if detach_prompt else 0
+        cache = DynamicCache()
+        if cut:
+            with torch.no_grad():
+                model(input_ids=row[:, :cut], past_key_values=cache, use_cache=True)
+        logits = model(input_ids=row[:, cut:], past_key_values=cache, use_cache=True).logits.float().log_softmax(-1)
+        picked = logits[0, plen - 1 - cut:-1].gather(-1, row[0, plen:, None]).squeeze(-1)
         out.append(torch.cat([picked, picked.new_zeros(width - n)]))
     return torch.stack(out)
 
@@ -180,30 +188,12 @@ def test_shared_spans_end_at_breaks():
     assert leaf_batches(spans, call_cost=10**6) == [[2], [4]]
 
 
-def _row_by_row_detached_prompt(model, ids, mask, width):
-    """`_row_by_row` with each row's prompt but its last token computed without gradient."""
-    from transformers.cache_utils import DynamicCache
-
-    out = []
-    for i in range(ids.shape[0]):
-        row = ids[i][mask[i].bool()][None]
-        n = int(mask[i, -width:].sum())
-        plen = row.shape[1] - n
-        cache = DynamicCache()
-        with torch.no_grad():
-            model(input_ids=row[:, :plen - 1], past_key_values=cache, use_cache=True)
-        logits = model(input_ids=row[:, plen - 1:], past_key_values=cache, use_cache=True).logits
-        picked = logits.float().log_softmax(-1)[0, :-1].gather(-1, row[0, plen:, None]).squeeze(-1)
-        out.append(torch.cat([picked, picked.new_zeros(width - n)]))
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("share", [True, False])
 def test_without_prompt_grad_the_logps_stay_and_the_gradient_is_the_detached_prompts(lora_model, share):
     ids, mask, width, score = _batch_with_common_starts()
     weights = torch.linspace(-1, 1, ids.shape[0])[:, None]
     params = [p for p in lora_model.parameters() if p.requires_grad]
-    ref = _row_by_row_detached_prompt(lora_model, ids, mask, width)
+    ref = _row_by_row(lora_model, ids, mask, width, detach_prompt=True)
     ref_grads = torch.autograd.grad((ref * score * weights).sum(), params)
     full_grads = torch.autograd.grad((_row_by_row(lora_model, ids, mask, width) * score * weights).sum(), params)
     logps, _ = grouped_logps(lora_model, ids, mask, width, score, share_completions=share, prompt_grad=False)
@@ -227,7 +217,7 @@ def test_a_prompt_is_never_shared_with_a_row_past_its_own_prompt(lora_model):
     width, score = 2, mask[:, 5:].clone()
     weights = torch.tensor([[1.0], [-0.5]])
     params = [p for p in lora_model.parameters() if p.requires_grad]
-    ref = _row_by_row_detached_prompt(lora_model, ids, mask, width)
+    ref = _row_by_row(lora_model, ids, mask, width, detach_prompt=True)
     ref_grads = torch.autograd.grad((ref * score * weights).sum(), params)
     logps, _ = grouped_logps(lora_model, ids, mask, width, score, prompt_grad=False)
     grads = torch.autograd.grad((logps * score * weights).sum(), params)

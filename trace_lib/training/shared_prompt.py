@@ -75,6 +75,8 @@ def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | Non
         cap = min(limits[r] for r in rows)
         n = len(os.path.commonprefix([list(seqs[r][start:cap]) for r in rows])) if cap > start else 0
         n = min([n, *(cuts[r] - start for r in rows if cuts[r] > start)])
+        if len({start < cuts[r] for r in rows}) > 1:
+            n = 0  # rows before their break and rows past it share nothing (they part below)
         if n:
             spans.append(Span(tuple(rows), start, start + n, parent))
             start, parent = start + n, len(spans) - 1
@@ -89,13 +91,19 @@ def shared_spans(seqs: Sequence[Sequence[int]], share_until: Sequence[int] | Non
         for part in parts.values():
             visit(part, start, parent)
 
-    firsts: dict[bool, list[int]] = {}  # rows before their break and rows past it start apart
-    for r in range(len(seqs)):
-        if len(seqs[r]):
-            firsts.setdefault(0 < cuts[r], []).append(r)
-    for rows in firsts.values():
-        visit(rows, 0, -1)
+    visit([r for r in range(len(seqs)) if len(seqs[r])], 0, -1)
     return spans
+
+
+def prompt_breaks(prompt_lengths: Sequence[int]) -> list[int]:
+    """Where each row's prompt stops running without gradient (`prompt_grad=False`): before its last token,
+    whose hidden state predicts the first completion token and so must keep its gradient."""
+    return [n - 1 for n in prompt_lengths]
+
+
+def before_breaks(span: Span, breaks: Sequence[int]) -> bool:
+    """Whether the span lies before the break of every row it belongs to (it runs without gradient)."""
+    return all(span.end <= breaks[r] for r in span.rows)
 
 
 CALL_COST_TOKENS = 128
@@ -226,7 +234,7 @@ def grouped_logps(
     logps = torch.zeros(input_ids.shape[0], logits_to_keep, dtype=torch.float32, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     seqs, scored, plens = scored_sequences(input_ids, attention_mask, logits_to_keep, score_mask)
-    breaks = None if prompt_grad else [n - 1 for n in plens]
+    breaks = None if prompt_grad else prompt_breaks(plens)
     spans = shared_spans([s.tolist() for s in seqs], None if share_completions else plens, breaks)
     if not spans:
         return logps, entropies
@@ -248,7 +256,7 @@ def grouped_logps(
             mask = None if min(lens) == width_u else torch.cat([valid.new_ones(b, start), valid], dim=1).long()
             cache = _expand(caches[parent], b) if parent >= 0 else DynamicCache()
             positions = torch.arange(start, start + width_u, device=ids.device)[None].expand(b, -1)
-            context = breaks is not None and all(m.end <= breaks[r] for m in members for r in m.rows)
+            context = breaks is not None and all(before_breaks(m, breaks) for m in members)
             with torch.no_grad() if context else nullcontext():
                 hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                  use_cache=True).last_hidden_state
