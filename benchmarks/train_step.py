@@ -10,8 +10,11 @@ weights' dtype:
                micro-batch (the pipeline's setting before the shared-prompt pass)
     trl-bf16   the same with bf16 base weights (LoRA weights fp32)
     ours       training/shared_prompt.py: each group's prompt once, only the agent's tokens scored,
-               bf16 base weights, the whole iteration in one pass
+               bf16 base weights, the whole iteration in one pass; episodes sampled with continuous
+               batching (`Policy.play_turns`)
     ours-free  the same, sampled as TRL's loop samples: no grammar, no forced first tool call
+    ours-turns  `ours` sampled turn by turn (`train.continuous_batching: false`): each turn of the live
+               episodes one decoding call, which runs until its longest row stops
     ours-nostem  `ours` with every row prefilling its own prompt (no shared stems: the K episodes of a
                group compute a tool result they all got K times; `agent/policy.py`)
     trl-env    TRL's own multi-turn loop instead of the train stage's: `GRPOTrainer(environment_factory=
@@ -57,6 +60,7 @@ ROWS = {
     "ours": {"shared_prompt": True, "dtype": "bfloat16"},
     # what TRL's environment_factory loop can do: no grammar, no forced first tool call
     "ours-free": {"shared_prompt": True, "dtype": "bfloat16", "constrained": False, "tool_choice": "auto"},
+    "ours-turns": {"shared_prompt": True, "dtype": "bfloat16", "continuous_batching": False},
     "ours-nostem": {"shared_prompt": True, "dtype": "bfloat16"},
 }
 NO_STEMS = {"ours-nostem"}

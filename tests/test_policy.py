@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from trace_lib.agent.kvcache import shared_prefix
+from trace_lib.agent.kvcache import append_rows, shared_prefix
+from trace_lib.agent.chat import parse_assistant
 from trace_lib.agent.policy import Generation, exponential_draw, load_policy, sample_tokens
 from trace_lib.records import Message
 
@@ -390,3 +391,111 @@ def test_cuda_greedy_equals_cpu_and_cuda_sampling_is_seeded(tiny_model_dir):
     assert greedy["cuda"] == greedy["cpu"]
     for device in ("cpu", "cuda"):  # the same seed draws the same tokens; another seed, others
         assert sampled[device][0] == sampled[device][1] != sampled[device][2]
+
+
+def _turn_script(pol, n_rows: int, turns_of: list[int]):
+    """Prompts and a `next_turn` for rows that play `turns_of[i]` turns, each reply naming its row and turn;
+    returns (prompts, next_turn, record) where record[i] lists row i's turns' tokens."""
+    conversations = convs(n_rows)
+    prompts = [pol.encode(pol.render(c, TOOLS)) for c in conversations]
+    record: list[list[list[int]]] = [[] for _ in range(n_rows)]
+
+    def next_turn(i, toks, why):
+        record[i].append(list(toks))
+        if len(record[i]) >= turns_of[i]:
+            return None
+        reply = pol.encode(f"<|im_end|>\n<|im_start|>user\nrow {i} turn {len(record[i])}: " + "ok " * (3 * i)
+                           + "<|im_end|>\n<|im_start|>assistant\n")
+        body = [t for t in toks if t not in pol.stop_ids]
+        prompts[i] = prompts[i] + body + reply
+        return prompts[i], bool(len(record[i]) % 2)
+
+    return prompts, next_turn, record
+
+
+def _turn_by_turn(pol, n_rows, turns_of, keys, max_new_tokens):
+    """The reference: each round one generate_ids call over the live rows, sessions kept."""
+    prompts, next_turn, record = _turn_script(pol, n_rows, turns_of)
+    live = list(range(n_rows))
+    while live:
+        outs, finish = pol.generate_ids([prompts[r] for r in live], temperature=0.0, top_p=1.0,
+                                        max_new_tokens=max_new_tokens, seed=0, sessions=[keys[r] for r in live])
+        live = [r for r, toks, why in zip(live, outs, finish) if next_turn(r, toks, why) is not None]
+    pol.end_sessions(keys)
+    return record
+
+
+@pytest.mark.parametrize(("impl", "join_share"), [("cascade", 0.0), ("cascade", 0.25), ("cascade", 10**9),
+                                                  ("sdpa", 0.0)])
+def test_play_turns_decodes_each_turn_as_turn_by_turn_calls_do(tiny_model_dir, impl, join_share, monkeypatch):
+    import trace_lib.agent.policy as policy_mod
+
+    monkeypatch.setattr(policy_mod, "JOIN_SHARE", join_share)
+    pol = load_policy(tiny_model_dir, attn_implementation=impl)
+    pol.stop_ids = [t for t in range(pol._vocab_size()) if t % 3 == 0]  # turns of many lengths (random weights)
+    keys = [("ep", i) for i in range(5)]
+    turns_of = [1, 3, 2, 4, 3]
+    ref = _turn_by_turn(pol, 5, turns_of, keys, max_new_tokens=10)
+    prompts, next_turn, record = _turn_script(pol, 5, turns_of)
+    before = pol.stats.sequences
+    joins = []
+    monkeypatch.setattr(policy_mod, "append_rows", lambda *a: joins.append(a[2].layers[0].keys.shape[0])
+                        or append_rows(*a))
+    pol.play_turns(prompts, next_turn, temperature=0.0, top_p=1.0, max_new_tokens=10, seed=0, sessions=keys)
+    assert record == ref
+    assert [len(r) for r in record] == turns_of
+    assert len({len(t) for r in record for t in r}) > 2  # turns of different lengths: rows joined mid-decode
+    assert pol.stats.sequences - before == sum(turns_of)
+    if join_share < 1:  # rows joined a batch still decoding; at a huge share only an emptied batch restarts
+        assert joins
+    else:
+        assert not joins
+
+
+def test_play_turns_samples_deterministically_and_keeps_the_grammar_on_joining_rows(tiny_model_dir):
+    from trace_lib.agent.grammar import make_tool_call_processor
+
+    pol = load_policy(tiny_model_dir)
+    keys = [("ep", i) for i in range(4)]
+
+    def run(seed):
+        prompts, next_turn, record = _turn_script(pol, 4, [3, 2, 3, 1])
+        flags = {}
+
+        def checked(i, toks, why):
+            flags.setdefault(i, []).append(why)
+            return next_turn(i, toks, why)
+
+        processor = make_tool_call_processor(pol.tokenizer, TOOLS, 4, vocab_size=pol._vocab_size(),
+                                             require_tool_call=[True, False, True, False], max_string_chars=4,
+                                             max_text_chars=24)
+        pol.play_turns(prompts, checked, temperature=1.0, top_p=1.0, max_new_tokens=96, seed=seed,
+                       sessions=keys, processor=processor)
+        pol.end_sessions(keys)
+        return record, processor
+
+    first, processor = run(3)
+    checked_calls = []
+    assert run(3)[0] == first and run(4)[0] != first
+    assert not any(processor.rejected)
+    for i, turns in enumerate(first):
+        for t, toks in enumerate(turns):
+            text = pol.tokenizer.decode([x for x in toks if x not in pol.stop_ids])
+            # the first turns' flags come from the processor, later ones from next_turn (odd turns must call)
+            must = [True, False, True, False][i] if t == 0 else bool(t % 2)
+            if must and len(toks) < 96:
+                assert parse_assistant(text, TOOLS, turn=t).tool_calls, (i, t, text)
+                checked_calls.append((i, t))
+    assert {t for _, t in checked_calls} >= {0, 1}  # first turns and later (joined) turns were held to a call
+
+
+def test_play_turns_refuses_a_model_without_a_buffered_cache(tiny_model_dir, monkeypatch):
+    pol = load_policy(tiny_model_dir)
+    monkeypatch.setattr(pol.model.config, "layer_types", ["sliding_attention"] * pol.model.config.num_hidden_layers,
+                        raising=False)
+    with pytest.raises(ValueError, match="full-attention layers"):
+        pol.play_turns([[1, 2]], lambda *a: None, temperature=0.0, top_p=1.0, max_new_tokens=2, seed=0,
+                       sessions=["a"])
+    with pytest.raises(ValueError, match="2 session keys for 1 prompts"):
+        pol.play_turns([[1, 2]], lambda *a: None, temperature=0.0, top_p=1.0, max_new_tokens=2, seed=0,
+                       sessions=["a", "b"])

@@ -90,6 +90,20 @@ class ScriptedPolicy(Policy):
             outs.append(self.encode(reply + "<|im_end|>"))
         return outs, ["stop"] * len(prompts)
 
+    def play_turns(self, prompts, next_turn, *, temperature, top_p, max_new_tokens, seed, sessions, processor=None):
+        """Turn by turn through the scripted `generate_ids`, the live rows in order as a batch."""
+        prompts, live = list(prompts), list(range(len(prompts)))
+        while live:
+            outs, finish = self.generate_ids([prompts[r] for r in live], temperature=temperature, top_p=top_p,
+                                             max_new_tokens=max_new_tokens, seed=seed)
+            going = []
+            for r, toks, why in zip(live, outs, finish, strict=True):
+                nxt = next_turn(r, toks, why)
+                if nxt is not None:
+                    prompts[r] = nxt[0]
+                    going.append(r)
+            live = going
+
 
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir):

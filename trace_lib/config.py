@@ -351,6 +351,11 @@ class TrainConfig(Section):
     to learn from, and each such rollout is a short one. 0: off."""
     constrained: bool = True
     tool_choice: Literal["auto", "first", "required"] = "first"
+    continuous_batching: bool = True
+    """Sample each iteration's episodes with continuous batching (`Policy.play_turns`): an episode whose
+    turn ended starts its next one while the others still decode, instead of every turn waiting for the
+    batch's longest (benchmarks/README.md: train_step). False, or a model with sliding-window layers:
+    turn by turn."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""

@@ -18,8 +18,8 @@ properties beyond the schema's. A completion cut off by `max_new_tokens` can sti
 unfinished tool call (parse_assistant then reports it); give the turn enough tokens.
 
 `ToolCallLogitsProcessor` is a transformers `LogitsProcessor` (works with `model.generate`
-batches) with one extra method, `select_rows`, which policy.py calls when finished rows
-leave its batch.
+batches) with two extra methods, which policy.py calls as its batch changes: `select_rows` when
+finished rows leave it, `add_rows` when rows starting a new turn join it (continuous batching).
 
 The message's length bound is kept by the processor, not by the grammar: written as a bounded
 repetition (`[^<]{0,1199}`), xgrammar's mask for a message row cost ~8 ms per decoding step on
@@ -194,9 +194,10 @@ class ToolCallLogitsProcessor(LogitsProcessor):
     """
 
     def __init__(self, compiled: Any | list[Any], max_text_chars: int = MAX_TEXT_CHARS,
-                 token_chars: TokenChars | None = None) -> None:
+                 token_chars: TokenChars | None = None, row_grammar: Any = None) -> None:
         """`compiled`: one grammar for every row, or one per row (e.g. tool call required on some rows).
-        `token_chars`: the vocabulary's (`grammar.token_chars`); None builds it from the grammar's."""
+        `token_chars`: the vocabulary's (`grammar.token_chars`); None builds it from the grammar's.
+        `row_grammar`: require_tool_call flag -> compiled grammar, for rows that join later (`add_rows`)."""
         if max_text_chars < 1:
             raise ValueError(f"max_text_chars must be >= 1, got {max_text_chars}")
         self.compiled = compiled
@@ -211,6 +212,7 @@ class ToolCallLogitsProcessor(LogitsProcessor):
         """Per row: characters of its message so far; None for a tool call, or before the first token."""
         self._started: list[bool] = []
         self._seen = 0
+        self._row_grammar = row_grammar
 
     def _count(self, j: int, tok: int) -> None:
         """Row j's matcher accepted `tok`."""
@@ -266,7 +268,7 @@ class ToolCallLogitsProcessor(LogitsProcessor):
             new_tokens = input_ids[:, self._seen:].tolist()  # one transfer per step off an accelerator
             for j, m in enumerate(self.matchers):
                 for tok in new_tokens[j]:
-                    if m.is_terminated():
+                    if tok < 0 or m.is_terminated():  # < 0: a column from before the row joined
                         continue
                     if m.accept_token(tok):
                         self._count(j, tok)
@@ -295,6 +297,23 @@ class ToolCallLogitsProcessor(LogitsProcessor):
             self.text_chars = [self.text_chars[j] for j in keep]
             self._started = [self._started[j] for j in keep]
 
+    def add_rows(self, require_tool_call: list[bool]) -> None:
+        """Append fresh rows (a new turn each), after the rows already in the batch.
+
+        Their columns of `input_ids` before they joined must hold negative ids (skipped); the
+        batch must have been seen by one call already.
+        """
+        import xgrammar as xgr
+
+        if self.matchers is None or self._row_grammar is None:
+            raise RuntimeError("add_rows needs a processor that has run once and knows its grammars (row_grammar)")
+        self.matchers += [xgr.GrammarMatcher(self._row_grammar(flag)) for flag in require_tool_call]
+        self.rejected += [False] * len(require_tool_call)
+        self.text_chars += [None] * len(require_tool_call)
+        self._started += [False] * len(require_tool_call)
+        if len(self.matchers) > self._bitmask.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)
+
 
 def make_tool_call_processor(
     tokenizer: Any, tools: list[dict[str, Any]], batch_size: int | None = None,
@@ -307,10 +326,15 @@ def make_tool_call_processor(
     the others may also answer in plain text, of at most `max_text_chars` characters.
     """
     chars = token_chars(tokenizer, vocab_size)
+
+    grammars: dict[bool, Any] = {}
+
+    def row_grammar(flag: bool) -> Any:
+        if flag not in grammars:
+            grammars[flag] = compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=flag, **options)
+        return grammars[flag]
+
     if isinstance(require_tool_call, list):
-        grammars = {flag: compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=flag, **options)
-                    for flag in set(require_tool_call)}
-        return ToolCallLogitsProcessor([grammars[flag] for flag in require_tool_call], max_text_chars, chars)
-    return ToolCallLogitsProcessor(
-        compile_tool_grammar(tokenizer, tools, vocab_size, require_tool_call=require_tool_call, **options),
-        max_text_chars, chars)
+        return ToolCallLogitsProcessor([row_grammar(flag) for flag in require_tool_call], max_text_chars, chars,
+                                       row_grammar)
+    return ToolCallLogitsProcessor(row_grammar(require_tool_call), max_text_chars, chars, row_grammar)

@@ -102,13 +102,53 @@ class BufferedLayer(DynamicLayer):
         super().reset()
 
 
+def append_rows(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor,
+                spare: int, prefix_len: int = 0) -> tuple[DynamicCache, torch.Tensor]:
+    """`other`'s rows after `cache`'s, in one cache with room for `spare` more positions per row.
+
+    Both hold rows laid out as [shared prefix | padding, the row's own positions] with 2D masks over
+    that whole layout; the prefix is either outside the caches (their `offset`, the cascade attention)
+    or stored in every row. Each part stays right-aligned: the shorter one gets zero padding (masked)
+    right after the prefix, which leaves every row's positions, and so its computation, as they were.
+    Continuous batching (policy.py) joins rows starting a new turn to a batch decoding this way.
+    """
+    first, second = cache.layers[0], other.layers[0]
+    offset = first.offset
+    if (second.offset != offset or mask.shape[1] != offset + first._n or other_mask.shape[1] != offset + second._n
+            or prefix_len < offset or prefix_len > min(mask.shape[1], other_mask.shape[1])):
+        raise ValueError("caches to merge must share their offset and prefix and match their masks")
+    n = max(first._n, second._n)
+    p = prefix_len - offset  # prefix positions stored in the rows
+
+    def padded(m: torch.Tensor, filled: int) -> torch.Tensor:
+        return torch.cat([m[:, :prefix_len], m.new_zeros(m.shape[0], n - filled), m[:, prefix_len:]], dim=1)
+
+    merged = DynamicCache()
+    merged.layer_class_to_replicate = cache.layer_class_to_replicate
+    for a, b in zip(cache.layers, other.layers, strict=True):
+        layer = BufferedLayer(n + spare, offset)
+        rows = a._kt.shape[0] + b._kt.shape[0]
+        layer.dtype, layer.device = a.dtype, a.device
+        layer._kt = a._kt.new_zeros(rows, *a._kt.shape[1:3], n + spare)
+        layer._v = a._v.new_zeros(rows, a._v.shape[1], n + spare, a._v.shape[-1])
+        for part, lo in ((a, 0), (b, a._kt.shape[0])):
+            hi, start = lo + part._kt.shape[0], n - part._n + p
+            layer._kt[lo:hi, ..., :p], layer._v[lo:hi, :, :p] = part._kt[..., :p], part._v[:, :, :p]
+            layer._kt[lo:hi, ..., start:n] = part._kt[..., p : part._n]
+            layer._v[lo:hi, :, start:n] = part._v[:, :, p : part._n]
+        layer._n = n
+        layer._refresh()
+        layer.is_initialized = True
+        merged.layers.append(layer)
+    return merged, torch.cat([padded(mask, first._n), padded(other_mask, second._n)])
+
+
 def new_cache(model: Any, capacity: int, offset: int = 0) -> DynamicCache:
     """An empty KV cache; buffered when every layer is plain full attention.
 
     `offset` (shared prefix positions kept outside the cache) needs the cascade attention.
     """
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    if not all(t == "full_attention" for t in layer_types):  # sliding-window/hybrid: transformers' own layers
+    if not buffered(model):  # sliding-window/hybrid: transformers' own layers
         if offset:
             raise ValueError("a shared prefix outside the cache needs a model with only full-attention layers")
         return DynamicCache(config=model.config)
@@ -117,9 +157,14 @@ def new_cache(model: Any, capacity: int, offset: int = 0) -> DynamicCache:
     return cache
 
 
-def supports_cascade(model: Any) -> bool:
+def buffered(model: Any) -> bool:
+    """Whether `new_cache` gives this model `BufferedLayer`s (every layer plain full attention)."""
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    return model.config._attn_implementation == CASCADE and all(t == "full_attention" for t in layer_types)
+    return all(t == "full_attention" for t in layer_types)
+
+
+def supports_cascade(model: Any) -> bool:
+    return model.config._attn_implementation == CASCADE and buffered(model)
 
 
 class shared_prefix:

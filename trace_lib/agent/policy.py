@@ -26,10 +26,13 @@ chosen adapter or none).
   a pass with rows of similar width and history (`prefill_passes`), not padded into one pass with
   the whole batch, where every row would pay for the widest row's tokens and the longest history;
 * a preallocated KV buffer (no `torch.cat` of the whole cache at every step);
-* finished rows leave the batch, so a batch costs what its live rows cost.
+* finished rows leave the batch, so a batch costs what its live rows cost;
+* continuous batching across turns (`play_turns`, GRPO's sampling): a row whose turn ended starts its
+  next one (its environment reply prefilled from its session) and joins the batch still decoding
+  (`kvcache.append_rows`), instead of every turn waiting for the call's longest row.
 
-Sampling draws from one `torch.Generator` per row seeded by (seed, row), so a row's tokens do
-not depend on which other rows share its batch; temperature 0 is greedy.
+Sampling draws from one `torch.Generator` per row seeded by (seed, row) (in `play_turns`, per turn),
+so a row's tokens do not depend on which other rows share its batch; temperature 0 is greedy.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ from transformers.cache_utils import DynamicCache
 
 from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
-from trace_lib.agent.kvcache import CASCADE, new_cache, shared_prefix, supports_cascade
+from trace_lib.agent.kvcache import CASCADE, append_rows, buffered, new_cache, shared_prefix, supports_cascade
 from trace_lib.agent.threads import govern_threads, set_threads
 from trace_lib.records import Message
 
@@ -58,6 +61,9 @@ MIN_STEM_SAVING = 16
 """A shared stem is computed separately only when it saves at least this many token-forwards."""
 MAX_STEM_TAIL = 8
 """Longest part of a row's prompt after its shared stem (see `shared_stems`)."""
+JOIN_SHARE = 0.25
+"""Continuous batching (`Policy.play_turns`): rows whose next turn is ready join the decoding batch once
+they are at least this share of the rows decoding (each join copies the batch's KV buffers once)."""
 MAX_SESSIONS = 256
 """Episodes whose KV states are kept between turns (~23 KB per token each for SmolLM2-135M in bf16)."""
 PASS_OVERHEAD_TOKENS = 32
@@ -288,6 +294,143 @@ class Policy:
             return self._decode(prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens,
                                 seed, processor, t0, sessions)
 
+    @torch.inference_mode()
+    def play_turns(
+        self,
+        prompts: list[list[int]],
+        next_turn: Callable[[int, list[int], str], tuple[list[int], bool] | None],
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+        sessions: Sequence[Hashable],
+        processor: Any = None,
+    ) -> None:
+        """Decode every row's turns until its episode ends, rows starting new turns as others still decode.
+
+        Row i starts from `prompts[i]`. When one of its turns ends, `next_turn(i, tokens, finish)` is
+        called (tokens with the stop token, finish "stop" or "length") and returns the prompt of the
+        row's next turn (normally the previous one, the turn and the environment's reply) and whether
+        that turn must call a tool, or None when the episode is over. `sessions` (one key per row) keep
+        each row's KV states between its turns, as in `generate_ids`; the caller ends them.
+        `processor`: a `ToolCallLogitsProcessor` for the rows' first turns (`add_rows` gives later
+        turns theirs).
+
+        Continuous batching: with turns decoded call by call, every call runs until its longest row
+        stops, so most decoding steps carry a few rows while the rest wait for the next call
+        (`benchmarks/train_step.py`). Here a row whose turn ended waits only until a quarter as many
+        rows wait as decode (`JOIN_SHARE`), then those rows' new tokens are prefilled (from their
+        sessions, with shared stems) and they join the decoding batch (`kvcache.append_rows`). Each
+        turn draws from its own generator, seeded by (seed, the turn's index in order of starting),
+        and the order in which turns end depends only on the tokens, so a call is deterministic.
+        Models with sliding-window layers (no buffered cache, `kvcache.buffered`) are refused: decode
+        their turns call by call with `generate_ids`.
+        """
+        if len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} session keys for {len(prompts)} prompts")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not buffered(self.model):
+            raise ValueError("play_turns needs a model with only full-attention layers (a buffered KV cache); "
+                             "decode its turns call by call with generate_ids")
+        if not prompts:
+            return
+        t0 = time.perf_counter()
+        govern_threads()
+        torch.manual_seed(seed)
+        with self._adapter_context():
+            prefix_len, prefix_kv = self._prefix_for(prompts) if self.prefix_cache else (0, None)
+        cascade = prefix_kv is not None and supports_cascade(self.model)
+        with self._adapter_context(), shared_prefix(prefix_kv if cascade else None):
+            self._decode_turns(list(prompts), next_turn, prefix_len, prefix_kv, cascade, temperature, top_p,
+                               max_new_tokens, seed, processor, list(sessions), t0)
+
+    def _decode_turns(self, prompts, next_turn, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens,
+                      seed, processor, keys, t0):
+        head = (self.adapter, tuple(prompts[0][:prefix_len]))
+        n = len(prompts)
+        logits, cache, mask, cached = self._start_rows(prompts, prefix_len, prefix_kv, cascade, head, keys,
+                                                       max_new_tokens)
+        self.stats.calls += 1
+        self.stats.sequences += n
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.cached_prompt_tokens += cached
+        prefill_s = time.perf_counter() - t0
+        rows = list(range(n))  # batch position -> row
+        gens = _row_generators(seed, n, mask.device)
+        turns = n  # turns started so far: the next one draws from row_seed(seed, turns)
+        outs: list[list[int]] = [[] for _ in range(n)]
+        waiting: list[tuple[int, bool]] = []  # rows whose next turn is ready, and its tool-call flag
+        positions = mask.sum(dim=-1)
+        stop = torch.tensor(self.stop_ids, device=mask.device)
+        generated = torch.empty(n, 0, dtype=torch.long, device=mask.device)
+        while rows:
+            if processor is not None:
+                logits = processor(generated, logits)
+            tok = sample_tokens(logits, temperature, top_p, gens)
+            generated = torch.cat([generated, tok[:, None]], dim=1)
+            stopped = torch.isin(tok, stop).tolist()
+            ended = []
+            for j, (r, t) in enumerate(zip(rows, tok.tolist())):
+                outs[r].append(t)
+                if stopped[j] or len(outs[r]) >= max_new_tokens:
+                    ended.append(j)
+            for j in ended:
+                r = rows[j]
+                self._keep(keys[r], head, prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
+                self.stats.completion_tokens += len(outs[r])
+                nxt = next_turn(r, outs[r], "stop" if stopped[j] else "length")
+                outs[r] = []
+                if nxt is not None:
+                    prompts[r], must_call = nxt
+                    waiting.append((r, must_call))
+            if ended:
+                keep = [j for j in range(len(rows)) if j not in set(ended)]
+                index = torch.tensor(keep, dtype=torch.long, device=mask.device)
+                rows, gens = [rows[j] for j in keep], [gens[j] for j in keep]
+                tok, mask, positions, generated = tok[index], mask[index], positions[index], generated[index]
+                if processor is not None:
+                    processor.select_rows(keep)
+                if rows:
+                    cache.batch_select_indices(index)
+            if rows:
+                mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                govern_threads()
+                out = self.model(
+                    input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
+                    position_ids=positions[:, None], past_key_values=cache, use_cache=True,
+                )
+                positions = positions + 1
+                logits = out.logits[:, -1, :].float()
+            if waiting and (not rows or len(waiting) >= JOIN_SHARE * len(rows)):
+                t1 = time.perf_counter()
+                joining = [r for r, _ in waiting]
+                new_prompts = [prompts[r] for r in joining]
+                new_logits, new_cache_, new_mask, cached = self._start_rows(
+                    new_prompts, prefix_len, prefix_kv, cascade, head, [keys[r] for r in joining], max_new_tokens)
+                self.stats.sequences += len(joining)
+                self.stats.prompt_tokens += sum(len(p) for p in new_prompts)
+                self.stats.cached_prompt_tokens += cached
+                if rows:
+                    cache, mask = append_rows(cache, mask, new_cache_, new_mask, max_new_tokens, prefix_len)
+                    logits = torch.cat([logits, new_logits])
+                    positions = torch.cat([positions, new_mask.sum(dim=-1)])
+                else:  # every row was waiting: the joining rows are the batch
+                    cache, mask, logits, positions = new_cache_, new_mask, new_logits, new_mask.sum(dim=-1)
+                # the columns before a row joined hold -1, which the processor skips
+                generated = torch.cat([generated, generated.new_full((len(joining), generated.shape[1]), -1)])
+                if processor is not None:
+                    processor.add_rows([flag for _, flag in waiting])
+                gens += [torch.Generator(device=mask.device).manual_seed(row_seed(seed, turns + k))
+                         for k in range(len(joining))]
+                turns += len(joining)
+                rows += joining
+                waiting = []
+                prefill_s += time.perf_counter() - t1
+        self.stats.prefill_seconds += prefill_s
+        self.stats.decode_seconds += time.perf_counter() - t0 - prefill_s
+
     def _reusable(self, prompts: list[list[int]], prefix_len: int, sessions: Sequence[Hashable] | None,
                   head: tuple[str | None, tuple[int, ...]]) -> list[_Session | None]:
         """Per row, the kept session whose tokens the prompt repeats (at least one token left to compute)."""
@@ -359,9 +502,8 @@ class Policy:
     def _decode(self, prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens, seed,
                 processor, t0, sessions=None):
         head = (self.adapter, tuple(prompts[0][:prefix_len]))  # what kept sessions must have been computed under
-        reused = self._reusable(prompts, prefix_len, sessions, head)
-        reused, stem_tokens = self._with_stems(prompts, prefix_len, prefix_kv, cascade, head, reused)
-        logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade, reused)
+        logits, cache, mask, cached = self._start_rows(prompts, prefix_len, prefix_kv, cascade, head, sessions,
+                                                       max_new_tokens)
         t1 = time.perf_counter()
 
         n = len(prompts)
@@ -412,12 +554,20 @@ class Policy:
         self.stats.calls += 1
         self.stats.sequences += n
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        reused_tokens = sum(len(r.ids) for r in reused if r is not None)
-        self.stats.cached_prompt_tokens += prefix_len * n + reused_tokens - stem_tokens
+        self.stats.cached_prompt_tokens += cached
         self.stats.completion_tokens += sum(len(o) for o in outs)
         self.stats.prefill_seconds += t1 - t0
         self.stats.decode_seconds += t2 - t1
         return outs, finish
+
+    def _start_rows(self, prompts, prefix_len, prefix_kv, cascade, head, sessions, max_new_tokens):
+        """Prefill rows from their kept sessions and shared stems: (last-token logits, cache, mask, prompt
+        tokens not computed)."""
+        reused = self._reusable(prompts, prefix_len, sessions, head)
+        reused, stem_tokens = self._with_stems(prompts, prefix_len, prefix_kv, cascade, head, reused)
+        logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade, reused)
+        reused_tokens = sum(len(r.ids) for r in reused if r is not None)
+        return logits, cache, mask, prefix_len * len(prompts) + reused_tokens - stem_tokens
 
     def _prefix_for(self, prompts: list[list[int]]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """The shared prefix (length, per-layer K/V of batch 1), reused across calls when it matches."""

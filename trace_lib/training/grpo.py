@@ -68,6 +68,7 @@ from itertools import groupby
 from typing import Any
 
 from trace_lib.agent.chat import parse_assistant, render_prompt
+from trace_lib.agent.kvcache import buffered
 from trace_lib.agent.policy import Policy
 from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
@@ -277,29 +278,54 @@ def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: in
     return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided, preplayed=preplayed)
 
 
+def _turn_processor(policy: Policy, cfg: TrainConfig, batch: Sequence[Episode]) -> Any:
+    """The grammar processor for the batch's next turns (None when decoding is not constrained)."""
+    if not cfg.constrained:
+        return None
+    from trace_lib.agent.grammar import make_tool_call_processor
+
+    vocab = int(policy.model.get_output_embeddings().weight.shape[0])
+    return make_tool_call_processor(
+        policy.tokenizer, batch[0].env.tool_schemas(), len(batch), vocab_size=vocab,
+        **{**policy.grammar_options, "require_tool_call": [must_call(cfg.tool_choice, ep.env) for ep in batch]})
+
+
+def _by_source(episodes: Sequence[Episode]) -> list[list[Episode]]:
+    return [list(batch) for _, batch in groupby(sorted(episodes, key=lambda e: e.source), key=lambda e: e.source)]
+
+
 def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: int) -> dict[str, float]:
-    """Run the episodes to the end, batched per tool set; returns generation timings."""
+    """Run the episodes to the end, batched per tool set; returns generation timings.
+
+    With `train.continuous_batching` (and a model `Policy.play_turns` takes) each tool set's episodes are
+    decoded in one continuously batched call; otherwise turn by turn, each turn of the live episodes one call.
+    """
     live = [ep for ep in episodes if not ep.env.done]
     call, gen_s = 0, 0.0
     before = dict(vars(policy.stats))
-    while live:
-        for _, batch in groupby(sorted(live, key=lambda e: e.source), key=lambda e: e.source):
-            batch = list(batch)
-            tools = batch[0].env.tool_schemas()
-            processor = None
-            if cfg.constrained:
-                from trace_lib.agent.grammar import make_tool_call_processor
+    if cfg.continuous_batching and buffered(policy.model):
+        for batch in _by_source(live):
+            def next_turn(i: int, toks: list[int], why: str, batch: list[Episode] = batch) -> tuple[list[int], bool] | None:
+                ep = batch[i]
+                _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
+                return None if ep.env.done else (ep.sampling_ids(), must_call(cfg.tool_choice, ep.env))
 
-                vocab = int(policy.model.get_output_embeddings().weight.shape[0])
-                processor = make_tool_call_processor(
-                    policy.tokenizer, tools, len(batch), vocab_size=vocab,
-                    **{**policy.grammar_options,
-                       "require_tool_call": [must_call(cfg.tool_choice, ep.env) for ep in batch]})
+            t0 = time.perf_counter()
+            policy.play_turns(
+                [ep.sampling_ids() for ep in batch], next_turn, temperature=cfg.temperature, top_p=1.0,
+                max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62,
+                sessions=[ep.key for ep in batch], processor=_turn_processor(policy, cfg, batch))
+            gen_s += time.perf_counter() - t0
+            call += 1
+            policy.end_sessions([ep.key for ep in batch])
+        live = []
+    while live:
+        for batch in _by_source(live):
             t0 = time.perf_counter()
             tokens, finish = policy.generate_ids(
                 [ep.sampling_ids() for ep in batch], temperature=cfg.temperature, top_p=1.0,
-                max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62, processor=processor,
-                sessions=[ep.key for ep in batch])
+                max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62,
+                processor=_turn_processor(policy, cfg, batch), sessions=[ep.key for ep in batch])
             gen_s += time.perf_counter() - t0
             call += 1
             for ep, toks, why in zip(batch, tokens, finish, strict=True):
