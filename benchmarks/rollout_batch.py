@@ -5,7 +5,10 @@ Runs the rollout stage's work (the train split's tasks, the params' samples, see
 reports seconds, prefill and decode seconds, agent tokens, agent tokens per second and successes.
 
 Modes:
-    ragged   the engine as it is: rows' new tokens prefilled in passes of similar rows
+    continuous  the engine as it is (`rollout.continuous_batching`): one `Policy.play_turns` call, an
+             episode's next turn and the queue's next episode joining the batch as it decodes
+    ragged   turn by turn (one `generate_ids` call per turn of the live episodes, as before 2026-11-27,
+             evening): rows' new tokens prefilled in passes of similar rows
              (`policy.prefill_passes`), a decoding step reading its rows' whole key and value buffers
              (contiguous) or a long row's early keys apart (`kvcache.history_split`)
     sliced   as before 2026-11-26 (evening): the decoding step reads the filled part of the buffers, a
@@ -18,7 +21,7 @@ whatever the batch, so more rows per step should cost little more, unless per-ro
 long histories, prefill) dominates. Episodes differ between rows: the sampling seed of a call depends on
 the call's index and on which episodes share it, and bf16 rounding on the batch's shapes.
 
-    python benchmarks/rollout_batch.py [--params params.yaml] [--modes ragged,padded] [--batch-sizes 8]
+    python benchmarks/rollout_batch.py [--params params.yaml] [--modes continuous,ragged] [--batch-sizes 8]
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from trace_lib.envs import make_env, make_tasks
 
 @contextmanager
 def engine_mode(mode: str):
-    if mode not in ("ragged", "sliced", "padded"):
-        raise ValueError(f"unknown mode {mode!r} (ragged, sliced, padded)")
+    if mode not in ("continuous", "ragged", "sliced", "padded"):
+        raise ValueError(f"unknown mode {mode!r} (continuous, ragged, sliced, padded)")
     saved = policy_mod.prefill_cost, kvcache.history_split, kvcache.WHOLE_READ_COST, kvcache.BufferedLayer.update
     if mode in ("sliced", "padded"):
         whole_update = kvcache.BufferedLayer.update
@@ -62,10 +65,13 @@ def engine_mode(mode: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--modes", default="ragged,sliced")
+    ap.add_argument("--modes", default="continuous,ragged")
     ap.add_argument("--batch-sizes", default="8")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--tasks", type=int, default=0, help="first N train tasks (0: all)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="the rollout's (default: the params'); 0 plays the same episodes in every mode, up to "
+                         "bf16 rounding on the batch's shapes")
     args = ap.parse_args()
     params = load_params(args.params)
     policy = policy_mod.load_policy(Path(params.model.out_dir), dtype=params.model.dtype)
@@ -75,7 +81,9 @@ def main() -> None:
     rows: dict[tuple[str, int], list[tuple[float, float, float, int, int, int]]] = {r: [] for r in runs}
     for rep in range(args.repeats):
         for mode, b in runs if rep % 2 == 0 else runs[::-1]:
-            cfg = params.rollout.model_copy(update={"batch_size": b})
+            cfg = params.rollout.model_copy(update={
+                "batch_size": b, "continuous_batching": mode == "continuous",
+                **({} if args.temperature is None else {"temperature": args.temperature})})
             policy.clear_prefix_cache()
             before = policy.stats.as_dict()
             t0 = time.perf_counter()

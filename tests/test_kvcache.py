@@ -217,3 +217,54 @@ def test_matmul_attention_without_keys_sees_nothing_and_fp16_sums_stay_finite():
     v = torch.full((1, 1, 5000, 8), 600.0, dtype=torch.float16)
     out, _ = _matmul_attention(torch.zeros(1, 2, 1, 8, dtype=torch.float16), k, v)
     assert torch.isfinite(out).all() and torch.allclose(out.float(), torch.full_like(out.float(), 600.0), rtol=1e-2)
+
+
+def _buffered_cache(rows: list[list[int]], offset: int, layers: int = 2):
+    """A cache of BufferedLayers holding each row's positions right-aligned (values = the position's id),
+    and its 2D mask over [offset | stored]."""
+    from transformers.cache_utils import DynamicCache
+
+    n = max(len(r) for r in rows)
+    cache = DynamicCache()
+    keys = torch.zeros(len(rows), 1, n, 2)
+    mask = torch.zeros(len(rows), offset + n, dtype=torch.long)
+    mask[:, :offset] = 1
+    for i, r in enumerate(rows):
+        keys[i, 0, n - len(r):] = torch.tensor(r, dtype=torch.float)[:, None]
+        mask[i, offset + n - len(r):] = 1
+    for idx in range(layers):
+        layer = BufferedLayer(n + 4, offset)
+        layer.update(keys, keys + 0.5)
+        cache.layers.append(layer)
+    return cache, mask
+
+
+def _rows_of(cache, mask, offset):
+    """Each row's stored values at its valid positions."""
+    layer = cache.layers[0]
+    assert mask.shape[1] == offset + layer._n
+    return [layer.keys[i, 0, mask[i, offset:].bool(), 0].tolist() for i in range(mask.shape[0])]
+
+
+def test_select_rows_drops_columns_no_kept_row_uses_and_append_rows_right_aligns_both_parts():
+    from trace_lib.agent.kvcache import append_rows, select_rows
+
+    cache, mask = _buffered_cache([[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]], offset=3)
+    mask = select_rows(cache, mask, torch.tensor([2, 1]), prefix_len=3)
+    assert cache.layers[0]._n == 3 and mask.shape == (2, 6)  # the long row left: its 3 extra columns too
+    assert _rows_of(cache, mask, 3) == [[9, 10, 11], [7, 8]]
+    assert cache.layers[1].values[0, 0, :, 0].tolist() == [9.5, 10.5, 11.5]
+    other, other_mask = _buffered_cache([[20, 21, 22, 23, 24]], offset=3)
+    merged, merged_mask = append_rows(cache, mask, other, other_mask, spare=2, prefix_len=3)
+    assert merged_mask.shape == (3, 8) and merged_mask[:, :3].all()
+    assert _rows_of(merged, merged_mask, 3) == [[9, 10, 11], [7, 8], [20, 21, 22, 23, 24]]
+    assert merged.layers[0]._v.shape[-2] == 5 + 2  # room for 2 more positions
+    # a prefix stored in the rows (no cascade): the padding goes after it, nothing is trimmed before it
+    cache, mask = _buffered_cache([[1, 1, 5, 6], [1, 1, 0, 7]], offset=0)
+    mask[1, 2] = 0  # columns 0-1: the prefix, stored in both rows; row 1 is padded after it
+    other, other_mask = _buffered_cache([[1, 1, 8, 9, 10]], offset=0)
+    merged, merged_mask = append_rows(cache, mask, other, other_mask, spare=1, prefix_len=2)
+    assert _rows_of(merged, merged_mask, 0) == [[1, 1, 5, 6], [1, 1, 7], [1, 1, 8, 9, 10]]
+    assert merged_mask[:, :2].all()
+    with pytest.raises(ValueError, match="share their offset"):
+        append_rows(cache, mask, *_buffered_cache([[1]], offset=1), spare=1, prefix_len=2)

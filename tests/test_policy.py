@@ -499,3 +499,57 @@ def test_play_turns_refuses_a_model_without_a_buffered_cache(tiny_model_dir, mon
     with pytest.raises(ValueError, match="2 session keys for 1 prompts"):
         pol.play_turns([[1, 2]], lambda *a: None, temperature=0.0, top_p=1.0, max_new_tokens=2, seed=0,
                        sessions=["a", "b"])
+
+
+def test_play_turns_starts_a_new_episode_in_a_slot_and_defers_one_with_another_prefix(tiny_model_dir):
+    """Row 0's slot takes a second episode (new session key) whose system turn differs from the batch's
+    shared prefix: it waits for the batch to empty and decodes in a batch of its own, as a fresh call would."""
+    from trace_lib.agent.policy import NextTurn
+
+    pol = load_policy(tiny_model_dir)
+    pol.stop_ids = [t for t in range(pol._vocab_size()) if t % 3 == 0]
+    other = [Message(role="system", content="You are a travel agent with other rules."),
+             Message(role="user", content="Book me a flight to Oslo, please.")]
+    other_prompt = pol.encode(pol.render(other, TOOLS))
+    prompts, next_turn, record = _turn_script(pol, 3, [1, 3, 2])
+    extra = []
+
+    def refill(i, toks, why):
+        if i == 0 and not extra:
+            record[0].append(list(toks))
+            extra.append(None)
+            return NextTurn(other_prompt, True, ("other", 0))
+        if i == 0:
+            extra[0] = list(toks)
+            return None
+        return next_turn(i, toks, why)
+
+    batches = []
+    decode_turns = pol._decode_turns
+    pol._decode_turns = lambda run, starting, *a: batches.append([r for r, _ in starting]) or decode_turns(
+        run, starting, *a)
+    pol.clear_prefix_cache()
+    pol.play_turns(prompts, refill, temperature=0.0, top_p=1.0, max_new_tokens=10, seed=0,
+                   sessions=[("ep", i) for i in range(3)])
+    assert batches == [[0, 1, 2], [0]]
+    pol.clear_prefix_cache()
+    ref = _turn_by_turn(pol, 3, [1, 3, 2], [("ep", i) for i in range(3)], max_new_tokens=10)
+    alone, _ = pol.generate_ids([other_prompt], temperature=0.0, top_p=1.0, max_new_tokens=10, seed=0)
+    assert record == ref
+    assert extra == alone
+    # constrained: the deferred episode's turn is held to its grammar in the new batch, as alone
+    from trace_lib.agent.grammar import make_tool_call_processor
+
+    def grammar(rows):
+        return make_tool_call_processor(pol.tokenizer, TOOLS, rows, vocab_size=pol._vocab_size(),
+                                        require_tool_call=True, max_string_chars=4)
+
+    pol.stop_ids = [pol.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    prompts, next_turn, record = _turn_script(pol, 3, [1, 3, 2])
+    extra.clear()
+    pol.play_turns(prompts, refill, temperature=0.0, top_p=1.0, max_new_tokens=64, seed=0,
+                   sessions=[("ep", i) for i in range(3)], processor=grammar(3))
+    alone, _ = pol.generate_ids([other_prompt], temperature=0.0, top_p=1.0, max_new_tokens=64, seed=0,
+                                processor=grammar(1))
+    assert extra == alone
+    assert parse_assistant(pol.tokenizer.decode(alone[0][:-1]), TOOLS).tool_calls

@@ -1,5 +1,7 @@
 """The rollout loop: concurrent episodes, records, metrics, invalid actions counted not raised."""
 
+import pytest
+
 from trace_lib.config import RolloutConfig
 from trace_lib.envs.base import Environment
 from trace_lib.records import Message
@@ -73,3 +75,31 @@ def test_tool_choice_first_requires_a_call_only_on_the_opening_turn():
     policy = ScriptedPolicy()
     collect_rollouts(policy, KVEnv, tasks, RolloutConfig(samples_per_task=1, batch_size=2), seed=0, progress=False)
     assert policy.required == [[False, False], [False, False]]
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_continuous_batching_plays_the_episodes_turn_by_turn_calls_play(tiny_model_dir, constrained):
+    """Greedy, the tiny model: one `play_turns` call (turns joining a decoding batch, the queue refilling
+    slots) records what one call per turn records; the rows' turns end at different steps."""
+    from trace_lib.agent.policy import load_policy
+
+    policy = load_policy(tiny_model_dir)
+    policy.stop_ids = [*policy.stop_ids, *range(0, policy._vocab_size(), 7)]  # turns of many lengths
+    tasks = [kv_task(i) for i in range(1, 6)]
+    calls = []
+    play_turns = policy.play_turns
+    policy.play_turns = lambda *a, **kw: calls.append(1) or play_turns(*a, **kw)
+
+    def rollouts(continuous):
+        cfg = RolloutConfig(samples_per_task=1, batch_size=2, temperature=0.0, max_new_tokens=24,
+                            constrained=constrained, tool_choice="first", continuous_batching=continuous)
+        trajs, timing = collect_rollouts(policy, KVEnv, tasks, cfg, seed=7, progress=False)
+        return [t.model_dump() for t in trajs], timing
+
+    turn_by_turn, _ = rollouts(False)
+    assert not calls
+    continuous, timing = rollouts(True)
+    assert calls == [1]
+    assert continuous == turn_by_turn
+    assert timing.episodes == 5 and timing.completion_tokens == sum(t["completion_tokens"] for t in continuous)
+    assert len({len(m.get("content") or "") for t in continuous for m in t["messages"] if m["role"] == "assistant"}) > 2

@@ -129,6 +129,12 @@ class RolloutConfig(Section):
     """With constrained decoding: 'auto' lets every turn be a call or a message; 'first' makes the
     agent's first turn of an episode a tool call (like tool_choice="required" for that turn only);
     'required' makes every turn a call (the episode then ends only through a tool or a limit)."""
+    continuous_batching: bool = False
+    """With trace's own engine: an episode whose turn ended starts its next one, and a finished episode's
+    slot takes the next task, while the others still decode (`Policy.play_turns`). False (the default: on
+    the rollout stage's 28 retail episodes it decoded as fast as turn by turn, benchmarks/README.md:
+    rollout_batch), a model with sliding-window layers or a server backend: one decoding call per turn of
+    the live episodes."""
     threads: int = Field(0, ge=0)
     """torch CPU threads for decoding (0: up to torch's default, fewer while other processes keep the
     cores busy, agent/threads.py; n > 0: always n)."""

@@ -297,6 +297,11 @@ class ToolCallLogitsProcessor(LogitsProcessor):
             self.text_chars = [self.text_chars[j] for j in keep]
             self._started = [self._started[j] for j in keep]
 
+    def clear_rows(self) -> None:
+        """Drop every row and count `input_ids`' columns afresh: a new batch follows (`add_rows`)."""
+        self.select_rows([])
+        self._seen = 0
+
     def add_rows(self, require_tool_call: list[bool]) -> None:
         """Append fresh rows (a new turn each), after the rows already in the batch.
 

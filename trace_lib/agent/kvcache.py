@@ -101,6 +101,34 @@ class BufferedLayer(DynamicLayer):
         self._n = 0
         super().reset()
 
+    def select_and_trim(self, indices: torch.Tensor, lead: int) -> None:
+        """Keep rows `indices` and drop the first `lead` stored positions (padding on every kept row), in
+        one copy into contiguous buffers."""
+        if self.is_initialized:
+            self._kt, self._v = self._kt[indices, :, :, lead:], self._v[indices, :, lead:]
+            self._n -= lead
+            self._refresh()
+
+
+def select_rows(cache: DynamicCache, mask: torch.Tensor, indices: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Keep the batch rows `indices` of `cache` and of its 2D `mask`; returns the new mask.
+
+    When the shared prefix lies outside a buffered cache (or there is none), the columns after it
+    that are padding on every kept row are dropped too: a long episode that left the batch no longer
+    makes the others read its history's width at every decoding step (the cascade attention reads
+    whole buffers). Masked columns add nothing to attention, so the result is the same computation.
+    """
+    mask = mask[indices]
+    layers = cache.layers
+    if not (layers and mask.shape[0] and all(isinstance(x, BufferedLayer) and x.offset == prefix_len for x in layers)):
+        cache.batch_select_indices(indices)
+        return mask
+    used = mask[:, prefix_len:].any(dim=0)
+    lead = int(used.int().argmax()) if bool(used.any()) else 0
+    for layer in layers:
+        layer.select_and_trim(indices, lead)
+    return torch.cat([mask[:, :prefix_len], mask[:, prefix_len + lead:]], dim=1)
+
 
 def append_rows(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor,
                 spare: int, prefix_len: int = 0) -> tuple[DynamicCache, torch.Tensor]:

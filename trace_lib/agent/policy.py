@@ -42,7 +42,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -50,7 +50,7 @@ from transformers.cache_utils import DynamicCache
 
 from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
-from trace_lib.agent.kvcache import CASCADE, append_rows, buffered, new_cache, shared_prefix, supports_cascade
+from trace_lib.agent.kvcache import CASCADE, append_rows, buffered, new_cache, select_rows, shared_prefix, supports_cascade
 from trace_lib.agent.threads import govern_threads, set_threads
 from trace_lib.records import Message
 
@@ -96,6 +96,29 @@ class GenerationStats:
 
     def as_dict(self) -> dict[str, float]:
         return {**self.__dict__, "completion_tokens_per_second": self.completion_tokens_per_second}
+
+
+class NextTurn(NamedTuple):
+    """A row's next turn in `Policy.play_turns`."""
+
+    prompt: list[int]
+    require_tool_call: bool = False
+    session: Hashable | None = None
+    """A new session key: the row starts another episode (the caller ends the old one's session)."""
+
+
+@dataclass
+class _TurnRun:
+    """The state of one `play_turns` call that outlives its batches."""
+
+    prompts: list[list[int]]
+    keys: list[Hashable]
+    next_turn: Callable[[int, list[int], str], Any]
+    seed: int
+    processor: Any
+    turns: int = 0
+    """Turns started so far: the next one draws from row_seed(seed, turns)."""
+    prefill_seconds: float = 0.0
 
 
 def _row_generators(seed: int, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
@@ -239,26 +262,35 @@ class Policy:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompts = [self.encode(self.render(conv, tools)) for conv in conversations]
-        processor = None
-        if constrained:
-            from trace_lib.agent.grammar import make_tool_call_processor  # xgrammar is imported only when used
-
-            options = dict(self.grammar_options)
-            if require_tool_call is not False:  # an explicit per-call choice wins over the default
-                options["require_tool_call"] = require_tool_call
-            processor = make_tool_call_processor(
-                self.tokenizer, tools, len(prompts), vocab_size=self._vocab_size(), **options
-            )
+        processor = self.tool_processor(tools, len(prompts), require_tool_call) if constrained else None
         tokens, finish = self.generate_ids(
             prompts, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
             seed=seed, processor=processor, sessions=sessions,
         )
-        out = []
-        for conv, prompt, toks, why in zip(conversations, prompts, tokens, finish):
-            text = self.tokenizer.decode([t for t in toks if t not in self.stop_ids], skip_special_tokens=False)
-            turn = sum(1 for m in conv if m.role == "assistant")
-            out.append(Generation(text, parse_assistant(text, tools, turn=turn), len(prompt), len(toks), why))
-        return out
+        return [self.turn(conv, tools, prompt, toks, why)
+                for conv, prompt, toks, why in zip(conversations, prompts, tokens, finish)]
+
+    def tool_processor(self, tools: list[dict[str, Any]], rows: int, require_tool_call: bool | list[bool] = False):
+        """The grammar processor (agent/grammar.py) for `rows` turns; `require_tool_call` False leaves the
+        policy's `grammar_options` default."""
+        from trace_lib.agent.grammar import make_tool_call_processor  # xgrammar is imported only when used
+
+        options = dict(self.grammar_options)
+        if require_tool_call is not False:  # an explicit per-call choice wins over the default
+            options["require_tool_call"] = require_tool_call
+        return make_tool_call_processor(self.tokenizer, tools, rows, vocab_size=self._vocab_size(), **options)
+
+    def turn(self, conversation: list[Message], tools: list[dict[str, Any]], prompt: list[int], tokens: list[int],
+             finish: str) -> Generation:
+        """The agent turn `tokens` (stop token included) decoded after `prompt`, the conversation rendered."""
+        text = self.tokenizer.decode([t for t in tokens if t not in self.stop_ids], skip_special_tokens=False)
+        turn = sum(1 for m in conversation if m.role == "assistant")
+        return Generation(text, parse_assistant(text, tools, turn=turn), len(prompt), len(tokens), finish)
+
+    @property
+    def plays_turns(self) -> bool:
+        """Whether `play_turns` takes this model (every layer full attention: a buffered KV cache)."""
+        return buffered(self.model)
 
     def _vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
@@ -298,7 +330,7 @@ class Policy:
     def play_turns(
         self,
         prompts: list[list[int]],
-        next_turn: Callable[[int, list[int], str], tuple[list[int], bool] | None],
+        next_turn: Callable[[int, list[int], str], NextTurn | tuple | None],
         *,
         temperature: float,
         top_p: float,
@@ -310,10 +342,11 @@ class Policy:
         """Decode every row's turns until its episode ends, rows starting new turns as others still decode.
 
         Row i starts from `prompts[i]`. When one of its turns ends, `next_turn(i, tokens, finish)` is
-        called (tokens with the stop token, finish "stop" or "length") and returns the prompt of the
-        row's next turn (normally the previous one, the turn and the environment's reply) and whether
-        that turn must call a tool, or None when the episode is over. `sessions` (one key per row) keep
-        each row's KV states between its turns, as in `generate_ids`; the caller ends them.
+        called (tokens with the stop token, finish "stop" or "length") and returns the row's next turn
+        (`NextTurn`, or a tuple of its fields): normally the previous prompt, the turn and the
+        environment's reply, and whether the turn must call a tool; with a new `session` key the row
+        starts another episode (a queue refilling its slot). None: the row is done. `sessions` (one key
+        per row) keep each row's KV states between its turns, as in `generate_ids`; the caller ends them.
         `processor`: a `ToolCallLogitsProcessor` for the rows' first turns (`add_rows` gives later
         turns theirs).
 
@@ -321,11 +354,13 @@ class Policy:
         stops, so most decoding steps carry a few rows while the rest wait for the next call
         (`benchmarks/train_step.py`). Here a row whose turn ended waits only until a quarter as many
         rows wait as decode (`JOIN_SHARE`), then those rows' new tokens are prefilled (from their
-        sessions, with shared stems) and they join the decoding batch (`kvcache.append_rows`). Each
-        turn draws from its own generator, seeded by (seed, the turn's index in order of starting),
-        and the order in which turns end depends only on the tokens, so a call is deterministic.
-        Models with sliding-window layers (no buffered cache, `kvcache.buffered`) are refused: decode
-        their turns call by call with `generate_ids`.
+        sessions, with shared stems) and they join the decoding batch (`kvcache.append_rows`). A
+        prompt that does not start with the batch's shared prefix (another episode's system turn)
+        waits until the batch has emptied and starts the next one. Each turn draws from its own
+        generator, seeded by (seed, the turn's index in order of starting), and the order in which
+        turns end depends only on the tokens, so a call is deterministic. Models with sliding-window
+        layers (no buffered cache, `kvcache.buffered`) are refused: decode their turns call by call
+        with `generate_ids`.
         """
         if len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} session keys for {len(prompts)} prompts")
@@ -339,35 +374,56 @@ class Policy:
         t0 = time.perf_counter()
         govern_threads()
         torch.manual_seed(seed)
-        with self._adapter_context():
-            prefix_len, prefix_kv = self._prefix_for(prompts) if self.prefix_cache else (0, None)
-        cascade = prefix_kv is not None and supports_cascade(self.model)
-        with self._adapter_context(), shared_prefix(prefix_kv if cascade else None):
-            self._decode_turns(list(prompts), next_turn, prefix_len, prefix_kv, cascade, temperature, top_p,
-                               max_new_tokens, seed, processor, list(sessions), t0)
-
-    def _decode_turns(self, prompts, next_turn, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens,
-                      seed, processor, keys, t0):
-        head = (self.adapter, tuple(prompts[0][:prefix_len]))
-        n = len(prompts)
-        logits, cache, mask, cached = self._start_rows(prompts, prefix_len, prefix_kv, cascade, head, keys,
-                                                       max_new_tokens)
+        run = _TurnRun(list(prompts), list(sessions), next_turn, seed, processor)
+        starting = [(r, None) for r in range(len(prompts))]  # the processor already has the first rows' grammars
+        while starting:  # one batch per shared prefix
+            with self._adapter_context():
+                prefix_len, prefix_kv = (self._prefix_for([run.prompts[r] for r, _ in starting]) if self.prefix_cache
+                                         else (0, None))
+            cascade = prefix_kv is not None and supports_cascade(self.model)
+            with self._adapter_context(), shared_prefix(prefix_kv if cascade else None):
+                starting = self._decode_turns(run, starting, prefix_len, prefix_kv, cascade, temperature, top_p,
+                                              max_new_tokens)
         self.stats.calls += 1
-        self.stats.sequences += n
-        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.prefill_seconds += run.prefill_seconds
+        self.stats.decode_seconds += time.perf_counter() - t0 - run.prefill_seconds
+
+    def _join(self, run: _TurnRun, joining: list[tuple[int, bool | None]], prefix_len, prefix_kv, cascade, head,
+              max_new_tokens):
+        """Prefill the joining rows' turns: (logits, cache, mask, their generators); counts their prompts."""
+        t1 = time.perf_counter()
+        rows = [r for r, _ in joining]
+        new_prompts = [run.prompts[r] for r in rows]
+        logits, cache, mask, cached = self._start_rows(new_prompts, prefix_len, prefix_kv, cascade, head,
+                                                       [run.keys[r] for r in rows], max_new_tokens)
+        self.stats.sequences += len(rows)
+        self.stats.prompt_tokens += sum(len(p) for p in new_prompts)
         self.stats.cached_prompt_tokens += cached
-        prefill_s = time.perf_counter() - t0
-        rows = list(range(n))  # batch position -> row
-        gens = _row_generators(seed, n, mask.device)
-        turns = n  # turns started so far: the next one draws from row_seed(seed, turns)
-        outs: list[list[int]] = [[] for _ in range(n)]
+        gens = [torch.Generator(device=mask.device).manual_seed(row_seed(run.seed, run.turns + k))
+                for k in range(len(rows))]
+        run.turns += len(rows)
+        if run.processor is not None and any(flag is not None for _, flag in joining):
+            run.processor.add_rows([bool(flag) for _, flag in joining])
+        run.prefill_seconds += time.perf_counter() - t1
+        return logits, cache, mask, gens
+
+    def _decode_turns(self, run: _TurnRun, starting, prefix_len, prefix_kv, cascade, temperature, top_p,
+                      max_new_tokens) -> list[tuple[int, bool]]:
+        """One batch of `play_turns` under one shared prefix; returns the turns that need another prefix."""
+        head = (self.adapter, tuple(run.prompts[starting[0][0]][:prefix_len]))
+        if run.processor is not None and starting[0][1] is not None:  # a later batch: its rows start afresh
+            run.processor.clear_rows()
+        logits, cache, mask, gens = self._join(run, starting, prefix_len, prefix_kv, cascade, head, max_new_tokens)
+        rows = [r for r, _ in starting]  # batch position -> row
+        outs: dict[int, list[int]] = {r: [] for r in rows}
         waiting: list[tuple[int, bool]] = []  # rows whose next turn is ready, and its tool-call flag
+        deferred: list[tuple[int, bool]] = []  # ... whose prompt does not start with this batch's prefix
         positions = mask.sum(dim=-1)
         stop = torch.tensor(self.stop_ids, device=mask.device)
-        generated = torch.empty(n, 0, dtype=torch.long, device=mask.device)
+        generated = torch.empty(len(rows), 0, dtype=torch.long, device=mask.device)
         while rows:
-            if processor is not None:
-                logits = processor(generated, logits)
+            if run.processor is not None:
+                logits = run.processor(generated, logits)
             tok = sample_tokens(logits, temperature, top_p, gens)
             generated = torch.cat([generated, tok[:, None]], dim=1)
             stopped = torch.isin(tok, stop).tolist()
@@ -378,22 +434,26 @@ class Policy:
                     ended.append(j)
             for j in ended:
                 r = rows[j]
-                self._keep(keys[r], head, prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
+                self._keep(run.keys[r], head, run.prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
                 self.stats.completion_tokens += len(outs[r])
-                nxt = next_turn(r, outs[r], "stop" if stopped[j] else "length")
-                outs[r] = []
-                if nxt is not None:
-                    prompts[r], must_call = nxt
-                    waiting.append((r, must_call))
+                nxt = run.next_turn(r, outs.pop(r), "stop" if stopped[j] else "length")
+                if nxt is None:
+                    continue
+                nxt = NextTurn(*nxt)
+                run.prompts[r] = list(nxt.prompt)
+                if nxt.session is not None:
+                    run.keys[r] = nxt.session
+                fits = len(nxt.prompt) > prefix_len and tuple(nxt.prompt[:prefix_len]) == head[1]
+                (waiting if fits else deferred).append((r, nxt.require_tool_call))
             if ended:
                 keep = [j for j in range(len(rows)) if j not in set(ended)]
                 index = torch.tensor(keep, dtype=torch.long, device=mask.device)
                 rows, gens = [rows[j] for j in keep], [gens[j] for j in keep]
-                tok, mask, positions, generated = tok[index], mask[index], positions[index], generated[index]
-                if processor is not None:
-                    processor.select_rows(keep)
+                tok, positions, generated = tok[index], positions[index], generated[index]
+                if run.processor is not None:
+                    run.processor.select_rows(keep)
                 if rows:
-                    cache.batch_select_indices(index)
+                    mask = select_rows(cache, mask, index, prefix_len if cascade else 0)
             if rows:
                 mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
                 govern_threads()
@@ -404,14 +464,8 @@ class Policy:
                 positions = positions + 1
                 logits = out.logits[:, -1, :].float()
             if waiting and (not rows or len(waiting) >= JOIN_SHARE * len(rows)):
-                t1 = time.perf_counter()
-                joining = [r for r, _ in waiting]
-                new_prompts = [prompts[r] for r in joining]
-                new_logits, new_cache_, new_mask, cached = self._start_rows(
-                    new_prompts, prefix_len, prefix_kv, cascade, head, [keys[r] for r in joining], max_new_tokens)
-                self.stats.sequences += len(joining)
-                self.stats.prompt_tokens += sum(len(p) for p in new_prompts)
-                self.stats.cached_prompt_tokens += cached
+                new_logits, new_cache_, new_mask, new_gens = self._join(run, waiting, prefix_len, prefix_kv, cascade,
+                                                                        head, max_new_tokens)
                 if rows:
                     cache, mask = append_rows(cache, mask, new_cache_, new_mask, max_new_tokens, prefix_len)
                     logits = torch.cat([logits, new_logits])
@@ -419,17 +473,12 @@ class Policy:
                 else:  # every row was waiting: the joining rows are the batch
                     cache, mask, logits, positions = new_cache_, new_mask, new_logits, new_mask.sum(dim=-1)
                 # the columns before a row joined hold -1, which the processor skips
-                generated = torch.cat([generated, generated.new_full((len(joining), generated.shape[1]), -1)])
-                if processor is not None:
-                    processor.add_rows([flag for _, flag in waiting])
-                gens += [torch.Generator(device=mask.device).manual_seed(row_seed(seed, turns + k))
-                         for k in range(len(joining))]
-                turns += len(joining)
-                rows += joining
+                generated = torch.cat([generated, generated.new_full((len(waiting), generated.shape[1]), -1)])
+                gens += new_gens
+                rows += [r for r, _ in waiting]
+                outs.update({r: [] for r, _ in waiting})
                 waiting = []
-                prefill_s += time.perf_counter() - t1
-        self.stats.prefill_seconds += prefill_s
-        self.stats.decode_seconds += time.perf_counter() - t0 - prefill_s
+        return deferred
 
     def _reusable(self, prompts: list[list[int]], prefix_len: int, sessions: Sequence[Hashable] | None,
                   head: tuple[str | None, tuple[int, ...]]) -> list[_Session | None]:
@@ -534,8 +583,8 @@ class Policy:
                 keep = (~done).nonzero().flatten()
                 rows = [rows[j] for j in keep.tolist()]
                 gens = [gens[j] for j in keep.tolist()]
-                tok, mask, positions, generated = tok[keep], mask[keep], positions[keep], generated[keep]
-                cache.batch_select_indices(keep)
+                tok, positions, generated = tok[keep], positions[keep], generated[keep]
+                mask = select_rows(cache, mask, keep, prefix_len if cascade else 0)
                 if processor is not None:
                     processor.select_rows(keep.tolist())
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)

@@ -7,7 +7,9 @@ returns `Trajectory` records sorted by id (no timings inside, so the bytes repea
 scaling and GEPA steps all play their episodes through here.
 
 Episodes run concurrently: a pool of `batch_size` live episodes is decoded together, and a finished
-episode's slot is refilled from the queue, so the batch stays full until the queue runs dry.
+episode's slot is refilled from the queue, so the batch stays full until the queue runs dry. With
+trace's own engine (`rollout.continuous_batching`) that happens as each turn ends, inside one
+`Policy.play_turns` call; otherwise between calls, one call per turn of the live episodes.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def collect_rollouts(
     bar = tqdm(total=len(queue), desc="rollout", unit="episode", disable=not progress)
     call = 0
     keeps_kv = hasattr(policy, "end_sessions")  # the embedded engine keeps each episode's KV across turns
+    if cfg.continuous_batching and getattr(policy, "plays_turns", False):
+        _play_continuously(policy, env_factory, queue, cfg, seed, adapter, done, timing, bar)
     while queue or live:
         while queue and len(live) < cfg.batch_size:
             task, sample = queue.pop()
@@ -139,6 +143,61 @@ def collect_rollouts(
     bar.close()
     timing.seconds = time.perf_counter() - t0
     return sorted(done, key=lambda t: t.id), timing
+
+
+def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queue: list[tuple[Task, int]],
+                       cfg: RolloutConfig, seed: int, adapter: str | None, done: list[Trajectory],
+                       timing: RolloutTiming, bar: Any) -> None:
+    """`collect_rollouts` through one `Policy.play_turns` call: the queue refills a slot when its episode ends."""
+    from trace_lib.agent.policy import NextTurn
+
+    def start() -> _Episode:
+        task, sample = queue.pop()
+        env = env_factory()
+        env.reset(task)
+        return _Episode(task, sample, env)
+
+    slots = [start() for _ in range(min(cfg.batch_size, len(queue)))]
+    tools = slots[0].env.tool_schemas()
+    prompts: dict[int, list[int]] = {}
+
+    def prompt(i: int) -> list[int]:
+        prompts[i] = policy.encode(policy.render(slots[i].state.messages, tools))
+        return prompts[i]
+
+    stepping = 0.0  # seconds in the environments, not in decoding
+
+    def next_turn(i: int, toks: list[int], why: str) -> NextTurn | None:
+        nonlocal stepping
+        s0 = time.perf_counter()
+        try:
+            return _next(i, toks, why)
+        finally:
+            stepping += time.perf_counter() - s0
+
+    def _next(i: int, toks: list[int], why: str) -> NextTurn | None:
+        ep = slots[i]
+        gen = policy.turn(ep.state.messages, tools, prompts[i], toks, why)
+        ep.prompt_tokens += gen.prompt_tokens
+        ep.completion_tokens += gen.completion_tokens
+        timing.completion_tokens += gen.completion_tokens
+        if not ep.env.step(_with_call_ids(gen.message, ep.state.steps)).done:
+            return NextTurn(prompt(i), must_call(cfg.tool_choice, ep.env))
+        done.append(_finish(ep, policy.policy_id, seed, adapter))
+        policy.end_sessions([ep.key])
+        bar.update(1)
+        if not queue:
+            return None
+        slots[i] = start()
+        return NextTurn(prompt(i), must_call(cfg.tool_choice, slots[i].env), slots[i].key)
+
+    processor = (policy.tool_processor(tools, len(slots), [must_call(cfg.tool_choice, ep.env) for ep in slots])
+                 if cfg.constrained else None)
+    g0 = time.perf_counter()
+    policy.play_turns([prompt(i) for i in range(len(slots))], next_turn, temperature=cfg.temperature, top_p=cfg.top_p,
+                      max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003, sessions=[ep.key for ep in slots],
+                      processor=processor)
+    timing.generate_seconds += time.perf_counter() - g0 - stepping
 
 
 def must_call(tool_choice: str, env: Environment) -> bool:

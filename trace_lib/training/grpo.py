@@ -68,7 +68,6 @@ from itertools import groupby
 from typing import Any
 
 from trace_lib.agent.chat import parse_assistant, render_prompt
-from trace_lib.agent.kvcache import buffered
 from trace_lib.agent.policy import Policy
 from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
@@ -282,12 +281,8 @@ def _turn_processor(policy: Policy, cfg: TrainConfig, batch: Sequence[Episode]) 
     """The grammar processor for the batch's next turns (None when decoding is not constrained)."""
     if not cfg.constrained:
         return None
-    from trace_lib.agent.grammar import make_tool_call_processor
-
-    vocab = int(policy.model.get_output_embeddings().weight.shape[0])
-    return make_tool_call_processor(
-        policy.tokenizer, batch[0].env.tool_schemas(), len(batch), vocab_size=vocab,
-        **{**policy.grammar_options, "require_tool_call": [must_call(cfg.tool_choice, ep.env) for ep in batch]})
+    return policy.tool_processor(batch[0].env.tool_schemas(), len(batch),
+                                 [must_call(cfg.tool_choice, ep.env) for ep in batch])
 
 
 def _by_source(episodes: Sequence[Episode]) -> list[list[Episode]]:
@@ -303,7 +298,7 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
     live = [ep for ep in episodes if not ep.env.done]
     call, gen_s = 0, 0.0
     before = dict(vars(policy.stats))
-    if cfg.continuous_batching and buffered(policy.model):
+    if cfg.continuous_batching and policy.plays_turns:
         for batch in _by_source(live):
             def next_turn(i: int, toks: list[int], why: str, batch: list[Episode] = batch) -> tuple[list[int], bool] | None:
                 ep = batch[i]
