@@ -441,8 +441,20 @@ def test_play_turns_decodes_each_turn_as_turn_by_turn_calls_do(tiny_model_dir, i
     joins = []
     monkeypatch.setattr(policy_mod, "append_rows", lambda *a: joins.append(a[2].layers[0].keys.shape[0])
                         or append_rows(*a))
-    pol.play_turns(prompts, next_turn, temperature=0.0, top_p=1.0, max_new_tokens=10, seed=0, sessions=keys)
+    import time
+
+    def slow_turn(*a):  # the caller's environment takes its time: that is not decoding
+        time.sleep(0.01)
+        return next_turn(*a)
+
+    engine_before = pol.stats.decode_seconds + pol.stats.prefill_seconds
+    t0 = time.perf_counter()
+    waited = pol.play_turns(prompts, slow_turn, temperature=0.0, top_p=1.0, max_new_tokens=10, seed=0, sessions=keys)
+    wall = time.perf_counter() - t0
     assert record == ref
+    assert waited >= 0.01 * sum(turns_of)
+    engine = pol.stats.decode_seconds + pol.stats.prefill_seconds - engine_before
+    assert 0 < engine <= wall - waited + 1e-6  # the environments' time is not counted as prefill or decoding
     assert [len(r) for r in record] == turns_of
     assert len({len(t) for r in record for t in r}) > 2  # turns of different lengths: rows joined mid-decode
     assert pol.stats.sequences - before == sum(turns_of)

@@ -91,7 +91,8 @@ class ScriptedPolicy(Policy):
         return outs, ["stop"] * len(prompts)
 
     def play_turns(self, prompts, next_turn, *, temperature, top_p, max_new_tokens, seed, sessions, processor=None):
-        """Turn by turn through the scripted `generate_ids`, the live rows in order as a batch."""
+        """Turn by turn through the scripted `generate_ids`, the live rows in order as a batch; no time is
+        spent outside decoding."""
         prompts, live = list(prompts), list(range(len(prompts)))
         while live:
             outs, finish = self.generate_ids([prompts[r] for r in live], temperature=temperature, top_p=top_p,
@@ -103,6 +104,7 @@ class ScriptedPolicy(Policy):
                     prompts[r] = nxt[0]
                     going.append(r)
             live = going
+        return 0.0
 
 
 @pytest.fixture(scope="module")

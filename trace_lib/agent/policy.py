@@ -119,6 +119,8 @@ class _TurnRun:
     turns: int = 0
     """Turns started so far: the next one draws from row_seed(seed, turns)."""
     prefill_seconds: float = 0.0
+    callback_seconds: float = 0.0
+    """Spent in `next_turn` (the caller's environments), neither prefill nor decoding."""
 
 
 def _row_generators(seed: int, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
@@ -338,8 +340,9 @@ class Policy:
         seed: int,
         sessions: Sequence[Hashable],
         processor: Any = None,
-    ) -> None:
-        """Decode every row's turns until its episode ends, rows starting new turns as others still decode.
+    ) -> float:
+        """Decode every row's turns until its episode ends, rows starting new turns as others still decode;
+        returns the seconds spent in `next_turn` (the caller's, not decoding: the policy's stats leave them out).
 
         Row i starts from `prompts[i]`. When one of its turns ends, `next_turn(i, tokens, finish)` is
         called (tokens with the stop token, finish "stop" or "length") and returns the row's next turn
@@ -370,7 +373,7 @@ class Policy:
             raise ValueError("play_turns needs a model with only full-attention layers (a buffered KV cache); "
                              "decode its turns call by call with generate_ids")
         if not prompts:
-            return
+            return 0.0
         t0 = time.perf_counter()
         govern_threads()
         torch.manual_seed(seed)
@@ -386,7 +389,8 @@ class Policy:
                                               max_new_tokens)
         self.stats.calls += 1
         self.stats.prefill_seconds += run.prefill_seconds
-        self.stats.decode_seconds += time.perf_counter() - t0 - run.prefill_seconds
+        self.stats.decode_seconds += time.perf_counter() - t0 - run.prefill_seconds - run.callback_seconds
+        return run.callback_seconds
 
     def _join(self, run: _TurnRun, joining: list[tuple[int, bool | None]], prefix_len, prefix_kv, cascade, head,
               max_new_tokens):
@@ -436,7 +440,9 @@ class Policy:
                 r = rows[j]
                 self._keep(run.keys[r], head, run.prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
                 self.stats.completion_tokens += len(outs[r])
+                c0 = time.perf_counter()
                 nxt = run.next_turn(r, outs.pop(r), "stop" if stopped[j] else "length")
+                run.callback_seconds += time.perf_counter() - c0
                 if nxt is None:
                     continue
                 nxt = NextTurn(*nxt)
@@ -446,7 +452,8 @@ class Policy:
                 fits = len(nxt.prompt) > prefix_len and tuple(nxt.prompt[:prefix_len]) == head[1]
                 (waiting if fits else deferred).append((r, nxt.require_tool_call))
             if ended:
-                keep = [j for j in range(len(rows)) if j not in set(ended)]
+                gone = set(ended)
+                keep = [j for j in range(len(rows)) if j not in gone]
                 index = torch.tensor(keep, dtype=torch.long, device=mask.device)
                 rows, gens = [rows[j] for j in keep], [gens[j] for j in keep]
                 tok, positions, generated = tok[index], positions[index], generated[index]
@@ -455,14 +462,7 @@ class Policy:
                 if rows:
                     mask = select_rows(cache, mask, index, prefix_len if cascade else 0)
             if rows:
-                mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-                govern_threads()
-                out = self.model(
-                    input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
-                    position_ids=positions[:, None], past_key_values=cache, use_cache=True,
-                )
-                positions = positions + 1
-                logits = out.logits[:, -1, :].float()
+                logits, mask, positions = self._step(tok, mask, positions, cache, cascade)
             if waiting and (not rows or len(waiting) >= JOIN_SHARE * len(rows)):
                 new_logits, new_cache_, new_mask, new_gens = self._join(run, waiting, prefix_len, prefix_kv, cascade,
                                                                         head, max_new_tokens)
@@ -587,15 +587,7 @@ class Policy:
                 mask = select_rows(cache, mask, keep, prefix_len if cascade else 0)
                 if processor is not None:
                     processor.select_rows(keep.tolist())
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-            govern_threads()
-            out = self.model(
-                input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
-                position_ids=positions[:, None],
-                past_key_values=cache, use_cache=True,
-            )
-            positions = positions + 1
-            logits = out.logits[:, -1, :].float()
+            logits, mask, positions = self._step(tok, mask, positions, cache, cascade)
         if sessions is not None:
             for j, r in enumerate(rows):
                 self._keep(sessions[r], head, prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
@@ -608,6 +600,16 @@ class Policy:
         self.stats.prefill_seconds += t1 - t0
         self.stats.decode_seconds += t2 - t1
         return outs, finish
+
+    def _step(self, tok, mask, positions, cache, cascade):
+        """Feed each row its sampled token: (the next logits, the mask and position ids one position on)."""
+        mask = torch.cat([mask, mask.new_ones(len(tok), 1)], dim=1)
+        govern_threads()
+        out = self.model(
+            input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
+            position_ids=positions[:, None], past_key_values=cache, use_cache=True,
+        )
+        return out.logits[:, -1, :].float(), mask, positions + 1
 
     def _start_rows(self, prompts, prefix_len, prefix_kv, cascade, head, sessions, max_new_tokens):
         """Prefill rows from their kept sessions and shared stems: (last-token logits, cache, mask, prompt

@@ -165,17 +165,7 @@ def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queu
         prompts[i] = policy.encode(policy.render(slots[i].state.messages, tools))
         return prompts[i]
 
-    stepping = 0.0  # seconds in the environments, not in decoding
-
     def next_turn(i: int, toks: list[int], why: str) -> NextTurn | None:
-        nonlocal stepping
-        s0 = time.perf_counter()
-        try:
-            return _next(i, toks, why)
-        finally:
-            stepping += time.perf_counter() - s0
-
-    def _next(i: int, toks: list[int], why: str) -> NextTurn | None:
         ep = slots[i]
         gen = policy.turn(ep.state.messages, tools, prompts[i], toks, why)
         ep.prompt_tokens += gen.prompt_tokens
@@ -194,10 +184,10 @@ def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queu
     processor = (policy.tool_processor(tools, len(slots), [must_call(cfg.tool_choice, ep.env) for ep in slots])
                  if cfg.constrained else None)
     g0 = time.perf_counter()
-    policy.play_turns([prompt(i) for i in range(len(slots))], next_turn, temperature=cfg.temperature, top_p=cfg.top_p,
-                      max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003, sessions=[ep.key for ep in slots],
-                      processor=processor)
-    timing.generate_seconds += time.perf_counter() - g0 - stepping
+    stepping = policy.play_turns([prompt(i) for i in range(len(slots))], next_turn, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003,
+                                 sessions=[ep.key for ep in slots], processor=processor)
+    timing.generate_seconds += time.perf_counter() - g0 - stepping  # the environments' turns are not generating
 
 
 def must_call(tool_choice: str, env: Environment) -> bool:

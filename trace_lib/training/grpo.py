@@ -299,25 +299,20 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
     call, gen_s = 0, 0.0
     before = dict(vars(policy.stats))
     if cfg.continuous_batching and policy.plays_turns:
-        stepping = [0.0]  # seconds in the environments' turns, inside the decoding call but not decoding
         for batch in _by_source(live):
             def next_turn(i: int, toks: list[int], why: str, batch: list[Episode] = batch) -> tuple[list[int], bool] | None:
-                s0 = time.perf_counter()
                 ep = batch[i]
                 _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
-                nxt = None if ep.env.done else (ep.sampling_ids(), must_call(cfg.tool_choice, ep.env))
-                stepping[0] += time.perf_counter() - s0
-                return nxt
+                return None if ep.env.done else (ep.sampling_ids(), must_call(cfg.tool_choice, ep.env))
 
             t0 = time.perf_counter()
-            policy.play_turns(
+            stepping = policy.play_turns(
                 [ep.sampling_ids() for ep in batch], next_turn, temperature=cfg.temperature, top_p=1.0,
                 max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62,
                 sessions=[ep.key for ep in batch], processor=_turn_processor(policy, cfg, batch))
-            gen_s += time.perf_counter() - t0
+            gen_s += time.perf_counter() - t0 - stepping  # the environments' turns are not generating
             call += 1
             policy.end_sessions([ep.key for ep in batch])
-        gen_s -= stepping[0]
         live = []
     while live:
         for batch in _by_source(live):
