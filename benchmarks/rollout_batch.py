@@ -16,12 +16,16 @@ Modes:
     padded   as before 2026-11-26 (morning): sliced, one padded prefill pass over all rows, every row's
              keys read up to the longest history (both helpers patched to always choose the single batch)
 
+Tool formats (`--tool-formats json,signature`, `model.tool_format`): every (mode, batch size) run once per way
+of listing the tools in the system turn, the same loaded model rendering its prompts in that format.
+
 Batch size: decoding on the CPU reads every weight (~270 MB in bf16 for SmolLM2-135M) once per step
 whatever the batch, so more rows per step should cost little more, unless per-row work (attention over
 long histories, prefill) dominates. Episodes differ between rows: the sampling seed of a call depends on
 the call's index and on which episodes share it, and bf16 rounding on the batch's shapes.
 
-    python benchmarks/rollout_batch.py [--params params.yaml] [--modes continuous,ragged] [--batch-sizes 8]
+    python benchmarks/rollout_batch.py [--params params.yaml] [--modes continuous,ragged] [--batch-sizes 8] \
+        [--tool-formats json,signature] [--tasks-per-family 4]
 """
 
 from __future__ import annotations
@@ -62,6 +66,14 @@ def engine_mode(mode: str):
          kvcache.BufferedLayer.update) = saved
 
 
+def family_wins(trajs) -> str:
+    """Successes per task family, e.g. 'order_status 5/8, order_total 1/8'."""
+    won: dict[str, list[int]] = {}
+    for t in trajs:
+        won.setdefault(t.family, []).append(int(t.success))
+    return ", ".join(f"{f} {sum(w)}/{len(w)}" for f, w in sorted(won.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
@@ -69,18 +81,23 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="8")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--tasks", type=int, default=0, help="first N train tasks (0: all)")
+    ap.add_argument("--tasks-per-family", type=int, default=0, help="the env's tasks per family (0: the params')")
+    ap.add_argument("--tool-formats", default="", help="comma list of model.tool_format values (default: the "
+                                                        "prepared model's)")
     ap.add_argument("--temperature", type=float, default=None,
                     help="the rollout's (default: the params'); 0 plays the same episodes in every mode, up to "
                          "bf16 rounding on the batch's shapes")
     args = ap.parse_args()
-    params = load_params(args.params)
+    params = load_params(args.params, {"env.tasks_per_family": args.tasks_per_family} if args.tasks_per_family else None)
     policy = policy_mod.load_policy(Path(params.model.out_dir), dtype=params.model.dtype)
     tasks = make_tasks(params.env, params.rollout.split)
     tasks = tasks[: args.tasks] if args.tasks else tasks
-    runs = [(m, int(b)) for m in args.modes.split(",") for b in args.batch_sizes.split(",")]
-    rows: dict[tuple[str, int], list[tuple[float, float, float, int, int, int]]] = {r: [] for r in runs}
+    formats = args.tool_formats.split(",") if args.tool_formats else [policy.tool_format]
+    runs = [(m, int(b), f) for f in formats for m in args.modes.split(",") for b in args.batch_sizes.split(",")]
+    rows: dict[tuple[str, int, str], list[tuple[float, float, float, int, int, int]]] = {r: [] for r in runs}
     for rep in range(args.repeats):
-        for mode, b in runs if rep % 2 == 0 else runs[::-1]:
+        for mode, b, fmt in runs if rep % 2 == 0 else runs[::-1]:
+            policy.tool_format = fmt
             cfg = params.rollout.model_copy(update={
                 "batch_size": b, "continuous_batching": mode == "continuous",
                 **({} if args.temperature is None else {"temperature": args.temperature})})
@@ -94,14 +111,15 @@ def main() -> None:
             after = policy.stats.as_dict()
             prefill, decode = (after[k] - before[k] for k in ("prefill_seconds", "decode_seconds"))
             wins = sum(t.success for t in trajs)
-            rows[(mode, b)].append((seconds, prefill, decode, timing.completion_tokens, wins, len(trajs)))
-            print(f"{mode} batch {b} repeat {rep}: {seconds:.1f} s (prefill {prefill:.1f}, decode {decode:.1f}), "
-                  f"{timing.completion_tokens} agent tokens, {wins}/{len(trajs)} succeeded", flush=True)
-    print("\n| mode | batch_size | seconds | prefill s | decode s | agent tokens | agent tokens/s | succeeded |")
-    print("| --- | ---: | --- | --- | --- | --- | --- | --- |")
-    for (mode, b), rs in rows.items():
+            rows[(mode, b, fmt)].append((seconds, prefill, decode, timing.completion_tokens, wins, len(trajs)))
+            print(f"{mode} batch {b} tools {fmt} repeat {rep}: {seconds:.1f} s (prefill {prefill:.1f}, decode "
+                  f"{decode:.1f}), {timing.completion_tokens} agent tokens, {wins}/{len(trajs)} succeeded, by family "
+                  f"{family_wins(trajs)}", flush=True)
+    print("\n| mode | batch_size | tool format | seconds | prefill s | decode s | agent tokens | agent tokens/s | succeeded |")
+    print("| --- | ---: | --- | --- | --- | --- | --- | --- | --- |")
+    for (mode, b, fmt), rs in rows.items():
         cols = [", ".join(f"{r[i]:.1f}" for r in rs) for i in range(3)]
-        print(f"| {mode} | {b} | {' | '.join(cols)} | {', '.join(str(r[3]) for r in rs)} | "
+        print(f"| {mode} | {b} | {fmt} | {' | '.join(cols)} | {', '.join(str(r[3]) for r in rs)} | "
               f"{', '.join(f'{r[3] / r[0]:.1f}' for r in rs)} | {', '.join(f'{r[4]}/{r[5]}' for r in rs)} |")
 
 

@@ -25,6 +25,10 @@ weights' dtype:
                (TRL's default dtype; `trl-env-bf16`: bf16 base weights), same LoRA config, seeds, groups,
                group size, temperature and learning rate
 
+`--tool-formats json,signature` runs every row once per way of listing the tools in the system turn
+(`model.tool_format`), through a prepared folder that points at `--model-dir`'s weights and records the
+format (rows named `ours[signature]`).
+
 Reported per row: seconds per trained rollout (sampling + update), of which sampling, and the ratio
 to the `trl` row. The environment is the template synthesizer's (`--capability`) for the retail
 target, served by the sandbox as in the train stage.
@@ -45,6 +49,7 @@ from datasets import Dataset
 from transformers import set_seed
 
 import trace_lib.agent.policy as policy_mod
+from trace_lib.agent.model import resolve_model
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
@@ -146,6 +151,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="trl,ours")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument("--tool-formats", default="", help="comma list of model.tool_format values: each row once per "
+                                                        "format (default: the prepared model's, once)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     params = load_params("params.yaml")
@@ -163,31 +170,36 @@ def main() -> None:
                                                                        max_steps=base.max_steps_per_episode),
                                  lambda seeds: synthetic_tasks(box, args.capability, seeds,
                                                                params.synthesize.difficulty, "train"))
-            for row in args.rows.split(","):
-                out = Path(tmp) / row
+            formats = args.tool_formats.split(",") if args.tool_formats else [None]
+            for row, fmt in [(r, f) for f in formats for r in args.rows.split(",")]:
+                model_dir = Path(args.model_dir) if fmt is None else resolve_model(
+                    str(Path(args.model_dir).resolve()), Path(tmp) / f"model-{fmt}", params.model.dtype,
+                    tool_format=fmt)
+                name = row if fmt is None else f"{row}[{fmt}]"
+                out = Path(tmp) / name
                 if row in TRL_ENV_ROWS:
-                    r = run_trl_environment_factory(Path(args.model_dir), box, params, base, args.capability, out,
+                    r = run_trl_environment_factory(model_dir, box, params, base, args.capability, out,
                                                     TRL_ENV_ROWS[row])
-                    results[row] = row_result(
+                    results[name] = row_result(
                         r["rollouts"], base.iterations, r["seconds"], r["seconds"], r["sampling"], None,
                         r["completion_tokens"], r["rewards"], tool_metrics=r["tool_metrics"])
                 else:
                     cfg = base.model_copy(update=ROWS[row])
                     policy_mod.MIN_STEM_SAVING = 10**9 if row in NO_STEMS else stem_saving
                     t0 = time.perf_counter()
-                    manifest = train_adapter_mixture(Path(args.model_dir), [source], cfg, out, seed=params.seed,
-                                                     ledger=RolloutLedger(Path(tmp) / f"{row}.ledger.jsonl"),
+                    manifest = train_adapter_mixture(model_dir, [source], cfg, out, seed=params.seed,
+                                                     ledger=RolloutLedger(Path(tmp) / f"{name}.ledger.jsonl"),
                                                      name=row)
                     wall = time.perf_counter() - t0
                     timing = read_timing(default_timing_path(out))["iterations"]
                     log = read_train_log(out)
-                    results[row] = row_result(
+                    results[name] = row_result(
                         manifest.rollouts_used, len(log), wall, sum(t["seconds"] for t in timing),
                         sum(t.get("rollout_seconds", 0.0) for t in timing), sum(r["trained_tokens"] for r in log),
                         sum(r["completion_tokens"] for r in log), [r["reward"] for r in log],
                         **{key: round(sum(t.get(key, 0) for t in timing), 2) for key in
                            ("prefill_seconds", "decode_seconds", "prompt_tokens_computed")})
-                print(row, json.dumps(results[row]), flush=True)
+                print(name, json.dumps(results[name]), flush=True)
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "
           f"group_size={base.group_size} threads={args.threads} torch={torch.__version__}")
     refs = [ref for ref in ("trl-env", "trl") if ref in results]

@@ -154,6 +154,53 @@ def test_render_prompt_format(smollm2_tokenizer):
     assert text.count("<|im_start|>") == 7
 
 
+AIRLINE_LIKE = {"type": "function", "function": {
+    "name": "book", "description": "Book a trip.",
+    "parameters": {"$defs": {"Leg": {"type": "object", "properties": {"flight": {"type": "string"},
+                                                                        "date": {"type": "string"}},
+                                      "required": ["flight"], "title": "Leg"}},
+                   "type": "object", "title": "parameters",
+                   "properties": {"legs": {"type": "array", "items": {"anyOf": [{"$ref": "#/$defs/Leg"}, {"type": "null"}]},
+                                           "description": "The legs, in order.", "title": "Legs"},
+                                  "cabin": {"enum": ["economy", "business"], "title": "Cabin"},
+                                  "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
+                   "required": ["legs", "cabin"]}}}
+
+
+def test_signature_format_lists_each_tool_on_a_line(smollm2_tokenizer):
+    msgs = [Message(role="system", content="You are a retail agent."), Message(role="user", content="hi")]
+    text = render_prompt(smollm2_tokenizer, msgs, [*TOOLS, AIRLINE_LIKE], "signature")
+    tools_block = text.split("You may call one function at a time.")[1].split("\n\nTo call a function")[0]
+    assert tools_block.splitlines()[1:] == [
+        "- get_order_details(order_id: string): Look up an order.",
+        "- cancel_order(order_id: string, reason: \"no longer needed\" | \"ordered by mistake\", items?: list[integer], "
+        "express?: boolean): Cancel an order.",
+        "- list_all(): A bare function schema.",
+        "- book(legs: list[Leg{flight: string, date?: string} | null], cabin: \"economy\" | \"business\", "
+        "note?: string | null): Book a trip.",
+        "    legs: The legs, in order.",
+    ]
+    # the rest of the prompt is the json format's, character for character
+    json_text = render_prompt(smollm2_tokenizer, msgs, [*TOOLS, AIRLINE_LIKE])
+    assert text.split("\n\nTo call a function")[1] == json_text.split("\n\nTo call a function")[1]
+    assert "<tools>" not in text and "title" not in text
+    assert len(smollm2_tokenizer(text)["input_ids"]) < len(smollm2_tokenizer(json_text)["input_ids"])
+
+
+def test_tool_format_is_the_templates_default_and_a_render_argument_overrides_it(smollm2_tokenizer):
+    msgs = [{"role": "user", "content": "hi"}]
+    signature = tool_chat_template("signature")
+    assert tool_chat_template() != signature and "{{ tool | tojson }}" in signature  # one template, two defaults
+    by_default = smollm2_tokenizer.apply_chat_template(msgs, tools=TOOLS, chat_template=signature, tokenize=False)
+    assert "- get_order_details(order_id: string)" in by_default
+    overridden = smollm2_tokenizer.apply_chat_template(msgs, tools=TOOLS, chat_template=signature, tokenize=False,
+                                                       tool_format="json")
+    assert overridden == smollm2_tokenizer.apply_chat_template(msgs, tools=TOOLS, chat_template=tool_chat_template(),
+                                                               tokenize=False)
+    with pytest.raises(ValueError, match="tool_format: expected one of \\['json', 'signature'\\], got 'xml'"):
+        tool_chat_template("xml")
+
+
 def test_render_then_parse_round_trip(smollm2_tokenizer):
     call = ToolCall(name="cancel_order", arguments={"order_id": "#W1", "reason": "ordered by mistake"}, id="call_0_0")
     msg = Message(role="assistant", content="Cancelling now.", tool_calls=[call])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,27 @@ def test_prepare_model_reads_params(tiny_model_dir, tmp_path):
     metrics = run_prepare_model(params, tmp_path)
     assert metrics["model_dir"] == str(tmp_path / "m") and (tmp_path / "m" / "model.json").is_file()
     assert metrics["model"]["source"] == "local" and metrics["model"]["dtype"] == "float32"
+
+
+def test_the_tool_format_is_recorded_and_every_policy_loaded_from_the_folder_renders_with_it(tiny_model_dir, tmp_path):
+    from trace_lib.agent.chat import tool_chat_template
+    from trace_lib.agent.policy import load_policy, prepared_tool_format
+    from trace_lib.records import Message
+
+    params = params_from_dict({"model": {"id": str(tiny_model_dir), "out_dir": "m", "dtype": "float32",
+                                         "tool_format": "signature"}})
+    out = Path(run_prepare_model(params, tmp_path)["model_dir"])
+    assert json.loads((out / "model.json").read_text())["tool_format"] == "signature"
+    assert prepared_tool_format(out) == "signature" and prepared_tool_format(tiny_model_dir) == "json"
+    policy = load_policy(out)
+    assert policy.tool_format == "signature" and policy.tokenizer.chat_template == tool_chat_template("signature")
+    tools = [{"name": "ping", "description": "Check.", "parameters": {"type": "object", "properties": {}}}]
+    assert "- ping(): Check." in policy.render([Message(role="user", content="hi")], tools)
+    assert load_policy(out, tool_format="json").tool_format == "json"  # a caller's choice wins
+    params = params_from_dict({"model": {"id": str(tiny_model_dir), "out_dir": "m", "dtype": "float32",
+                                         "tool_format": "json"}})
+    run_prepare_model(params, tmp_path)  # the setting changed: the record follows
+    assert prepared_tool_format(out) == "json" and load_policy(out).tool_format == "json"
 
 
 def test_unreachable_hub_id_fails_clearly(tmp_path, monkeypatch):

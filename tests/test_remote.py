@@ -147,6 +147,7 @@ def test_generate_sends_messages_tools_choice_seed_and_model_and_records_usage()
     assert first["model"] == "smollm2-135m" and third["model"] == "communicate_result"
     assert (first["temperature"], first["top_p"], first["max_tokens"]) == (0.5, 0.9, 32)
     assert first["tools"] == normalize_tools(env.tool_schemas())
+    assert first["chat_template_kwargs"] == {"tool_format": "json"}  # the trace template's format, sent along
     assert [m["role"] for m in first["messages"]] == [m.role for m in env.state.messages]
     assert [g.message.tool_calls[0].arguments for g in out] == [{"key": "k3"}] * 2
     assert (out[0].prompt_tokens, out[0].completion_tokens) == (40, 9)
@@ -387,6 +388,7 @@ def test_the_rollout_stage_runs_on_a_server_without_a_local_model(tmp_path, monk
     saved = read_json(Path("reports/metrics/rollout.json"))
     assert saved["backend"] == "openai" and saved["server"]["requests"] == len(api.bodies()) >= 2
     assert metrics["policy_id"] == "smol" and not Path(params.model.out_dir).exists()
+    assert {json.dumps(b["chat_template_kwargs"]) for b in api.bodies()} == {'{"tool_format": "signature"}'}  # cpu profile
 
 
 def test_the_vllm_command_serves_trace_chat_format_and_named_adapters():

@@ -41,6 +41,10 @@ class ModelConfig(Section):
     device when there is one, else the CPU), 'cpu', 'cuda', 'cuda:1', ..."""
     out_dir: str = "data/model"
     """Where prepare_model writes (or records) the resolved HF model folder."""
+    tool_format: Literal["json", "signature"] = "json"
+    """How the agent's system turn lists the tools (agent/chat.py, `TOOL_FORMATS`): 'json' (one JSON schema
+    per line, Hermes) or 'signature' (`name(arg: type): description`, ~half the tokens). Recorded in the
+    prepared folder's model.json, so every stage, the trainer and a served template use the same one."""
 
 
 class PolicyConfig(Section):
@@ -529,8 +533,10 @@ class Params(Section):
 PROFILES: dict[str, dict[str, Any]] = {
     # The CPU default: SmolLM2-135M on 2 cores, the whole pipeline in well under an hour.
     "cpu": {
-        # bf16 ~1.8x faster than fp32 (AVX-512 bf16); the CPU even where a GPU is present (the default's bytes)
-        "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "cpu"},
+        # bf16 ~1.8x faster than fp32 (AVX-512 bf16); the CPU even where a GPU is present (the default's bytes).
+        # Tools listed as signatures: the retail system turn 1,181 tokens instead of 1,833 (benchmarks/README.md:
+        # tool formats, 2026-11-28)
+        "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "cpu", "tool_format": "signature"},
         "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4},  # 7 families x 2 = 14 tasks per split
         # temperature 0.3 and a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted.
         # 16 episodes per batch: a decoding step streams every weight once whatever the rows, so 16 rows cost
@@ -568,7 +574,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # sampling moved onto the GPU) the rollout stage took 3.5 min and training ~95 s per iteration of 64
     # rollouts, so these budgets need well over 30 min there (README: Running at scale).
     "gpu": {
-        "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto"},
+        "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto", "tool_format": "signature"},
         "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4},  # 7 families x 8 = 56 tasks per split
         "rollout": {"samples_per_task": 4, "temperature": 0.3, "max_new_tokens": 128, "batch_size": 64,
                     "constrained": True, "tool_choice": "first"},

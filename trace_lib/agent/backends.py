@@ -32,7 +32,8 @@ def open_policy(params: Params, model_dir: Path, adapters: Mapping[str, str | Pa
     if params.policy.backend == "openai":
         from trace_lib.agent.remote import OpenAIPolicy
 
-        policy = OpenAIPolicy.from_config(params.policy, default_model=params.model.id)
+        policy = OpenAIPolicy.from_config(params.policy, default_model=params.model.id,
+                                          tool_format=params.model.tool_format)
         for name, folder in sorted((adapters or {}).items()):
             policy.load_adapter(name, str(Path(folder).resolve()))
         return policy
@@ -40,4 +41,5 @@ def open_policy(params: Params, model_dir: Path, adapters: Mapping[str, str | Pa
 
     check_model_dir(params, model_dir)
     return load_policy(model_dir, dtype=params.model.dtype, device=params.model.device, threads=threads,
+                       tool_format=params.model.tool_format,
                        adapters={n: str(p) for n, p in adapters.items()} if adapters else None)

@@ -54,15 +54,15 @@ def weights_sha256(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): sha256_file(p) for p in files}
 
 
-def load_gguf_tokenizer(gguf: Path | None = None) -> Any:
-    """The tokenizer stored in the GGUF, with the trace tool-calling chat template."""
+def load_gguf_tokenizer(gguf: Path | None = None, tool_format: str = "json") -> Any:
+    """The tokenizer stored in the GGUF, with the trace tool-calling chat template (tools in `tool_format`)."""
     from transformers import AutoTokenizer
 
     from trace_lib.agent.chat import tool_chat_template
 
     gguf = gguf or smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tok.chat_template = tool_chat_template()
+    tok.chat_template = tool_chat_template(tool_format)
     return tok
 
 
@@ -91,14 +91,16 @@ def _is_current(out_dir: Path, manifest: dict[str, Any]) -> bool:
         old = read_json(path)
     except ValueError:
         return False
-    keys = ("source", "source_sha256", "dtype", "format_version")
+    keys = ("source", "source_sha256", "dtype", "format_version", "tool_format")
     if any(old.get(k) != manifest.get(k) for k in keys):
         return False
     return weights_sha256(out_dir) == old.get("weights_sha256")
 
 
-def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32", force: bool = False) -> Path:
-    """Dequantize a GGUF checkpoint into a plain HF folder (safetensors + tokenizer + config)."""
+def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32", force: bool = False,
+                 tool_format: str = "json") -> Path:
+    """Dequantize a GGUF checkpoint into a plain HF folder (safetensors + tokenizer + config); the
+    tokenizer's chat template and model.json carry `tool_format`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -107,11 +109,11 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32", force: bool 
     manifest: dict[str, Any] = {
         "format_version": 1, "model_id": SMOLLM2_ID if gguf.name == SMOLLM2_GGUF else gguf.stem,
         "source": f"gguf:{gguf.name}", "source_sha256": sha256_file(gguf),
-        "dtype": str(torch_dtype).removeprefix("torch."), "path": ".",
+        "dtype": str(torch_dtype).removeprefix("torch."), "path": ".", "tool_format": tool_format,
     }
     if not force and _is_current(out_dir, manifest):
         return out_dir
-    tokenizer = load_gguf_tokenizer(gguf)
+    tokenizer = load_gguf_tokenizer(gguf, tool_format)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
@@ -139,7 +141,7 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32", force: bool 
     return out_dir
 
 
-def _pointer(model_id: str, out_dir: Path, dtype: str) -> Path:
+def _pointer(model_id: str, out_dir: Path, dtype: str, tool_format: str = "json") -> Path:
     """model.json pointing at a local folder or a hub snapshot (weights are not copied)."""
     local = Path(model_id)
     if local.is_dir():
@@ -160,7 +162,7 @@ def _pointer(model_id: str, out_dir: Path, dtype: str) -> Path:
         source = f"hub:{model_id}"
     manifest = {
         "format_version": 1, "model_id": local.name if source == "local" else model_id, "source": source,
-        "dtype": dtype, "path": str(folder), "weights_sha256": weights_sha256(folder),
+        "dtype": dtype, "path": str(folder), "weights_sha256": weights_sha256(folder), "tool_format": tool_format,
     }
     tmp = _build_dir(out_dir)
     try:
@@ -171,19 +173,21 @@ def _pointer(model_id: str, out_dir: Path, dtype: str) -> Path:
     return out_dir
 
 
-def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: bool = False) -> Path:
+def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: bool = False,
+                  tool_format: str = "json") -> Path:
     """Make `out_dir` a loadable model folder for `model_id`; returns out_dir.
 
     'smollm2-135m' converts the packaged GGUF; a local folder or a hub id gets a model.json pointer.
+    model.json records `tool_format`, which `load_policy` renders prompts in.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {list(_DTYPES)}, got {dtype!r}")
     out_dir = Path(out_dir)
     if model_id == SMOLLM2_ID:
-        return convert_gguf(smollm2_gguf_path(), out_dir, dtype, force=force)
+        return convert_gguf(smollm2_gguf_path(), out_dir, dtype, force=force, tool_format=tool_format)
     if model_id.endswith(".gguf") and Path(model_id).is_file():
-        return convert_gguf(Path(model_id), out_dir, dtype, force=force)
-    return _pointer(model_id, out_dir, dtype)
+        return convert_gguf(Path(model_id), out_dir, dtype, force=force, tool_format=tool_format)
+    return _pointer(model_id, out_dir, dtype, tool_format)
 
 
 def _thread_record() -> dict[str, Any]:

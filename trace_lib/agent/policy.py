@@ -174,11 +174,14 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: 
 class Policy:
     """A causal LM with the trace chat format, optional named LoRA adapters and batched decoding."""
 
-    def __init__(self, model: Any, tokenizer: Any, base_id: str, *, prefix_cache: bool = True) -> None:
+    def __init__(self, model: Any, tokenizer: Any, base_id: str, *, prefix_cache: bool = True,
+                 tool_format: str = "json") -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.base_id = base_id
         self.prefix_cache = prefix_cache
+        self.tool_format = tool_format
+        """How prompts list the tools (chat.TOOL_FORMATS; `load_policy` reads the prepared folder's)."""
         self.adapter: str | None = None
         self.stats = GenerationStats()
         self.grammar_options: dict[str, Any] = {}
@@ -229,7 +232,7 @@ class Policy:
 
     # --- text helpers -------------------------------------------------------------------------
     def render(self, messages: list[Message], tools: list[dict[str, Any]]) -> str:
-        return render_prompt(self.tokenizer, messages, tools)
+        return render_prompt(self.tokenizer, messages, tools, self.tool_format)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -819,6 +822,13 @@ def _stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+def prepared_tool_format(model_dir: str | Path) -> str:
+    """The tool format (`chat.TOOL_FORMATS`) a prepared folder's model.json records; 'json' for a folder
+    prepared before the setting existed, or one that is not prepared (a plain HF folder, a hub id)."""
+    manifest = Path(model_dir) / "model.json"
+    return str(read_json(manifest).get("tool_format", "json")) if manifest.is_file() else "json"
+
+
 def resolve_model_path(model_dir: str | Path) -> tuple[str, str]:
     """(path or hub id to load, base id) for a prepared folder, a plain HF folder, or a hub id."""
     path = Path(model_dir)
@@ -841,12 +851,14 @@ def load_policy(
     attn_implementation: str = "cascade",
     prefix_cache: bool = True,
     device: str = "auto",
+    tool_format: str | None = None,
 ) -> Policy:
     """Load a causal LM (+ named LoRA adapters) as a Policy; the base model is active after loading.
 
     `attn_implementation`: 'cascade' (sdpa, plus kvcache.cascade_attention for the shared prompt
     prefix on CPU), or any transformers name ('sdpa', 'eager', ...). `device`: 'auto' (CUDA when
-    present, else the CPU), or any torch device name.
+    present, else the CPU), or any torch device name. `tool_format`: how prompts list the tools
+    (chat.TOOL_FORMATS); None: the one the prepared folder's model.json records (`model.tool_format`).
     """
     set_threads(threads)
     load, base_id = resolve_model_path(model_dir)
@@ -866,8 +878,9 @@ def load_policy(
     target = resolve_device(device)
     if attn_implementation == "cascade" and target.type == "cpu":
         model.set_attn_implementation(CASCADE)
-    if tokenizer.chat_template != tool_chat_template():
-        tokenizer.chat_template = tool_chat_template()
+    tool_format = tool_format or prepared_tool_format(model_dir)
+    if tokenizer.chat_template != tool_chat_template(tool_format):
+        tokenizer.chat_template = tool_chat_template(tool_format)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if adapters:
@@ -879,7 +892,7 @@ def load_policy(
             model.load_adapter(path, adapter_name=name)
     if target.type != "cpu":
         model = model.to(target)
-    return Policy(model, tokenizer, policy_id or base_id, prefix_cache=prefix_cache)
+    return Policy(model, tokenizer, policy_id or base_id, prefix_cache=prefix_cache, tool_format=tool_format)
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -166,7 +166,8 @@ class OpenAIPolicy:
 
     def __init__(self, base_url: str, served_model: str, *, api_key: str = NO_KEY, adapters: list[str] | None = None,
                  concurrency: int = 16, timeout_s: float = 300.0, max_retries: int = 4,
-                 policy_id: str | None = None, client: Any = None, route_dir: str | Path | None = None) -> None:
+                 policy_id: str | None = None, client: Any = None, route_dir: str | Path | None = None,
+                 tool_format: str = "json") -> None:
         from openai import OpenAI  # imported when a server is used
 
         self.base_url, self.served_model = base_url, served_model
@@ -178,18 +179,21 @@ class OpenAIPolicy:
         self.adapter: str | None = None
         self._shown: str | None = None  # the route's label in policy_id while a merge is served
         self.concurrency = concurrency
+        self.tool_format = tool_format
+        """How the server's trace template lists the tools (sent as `chat_template_kwargs` with each request)."""
         self.stats = ServerStats()
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, cfg: Any, default_model: str, adapters: list[str] | None = None) -> OpenAIPolicy:
+    def from_config(cls, cfg: Any, default_model: str, adapters: list[str] | None = None,
+                    tool_format: str = "json") -> OpenAIPolicy:
         """From a `PolicyConfig` (`policy` section of params.yaml); `default_model` names the base model
-        when `policy.served_model` is unset."""
+        when `policy.served_model` is unset; `tool_format` is `model.tool_format`."""
         if not cfg.base_url:
             raise ValueError("policy.base_url is required with policy.backend: openai")
         return cls(cfg.base_url, cfg.served_model or default_model, api_key=os.environ.get(cfg.api_key_env) or NO_KEY,
                    adapters=adapters, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
-                   max_retries=cfg.max_retries, route_dir=cfg.route_dir)
+                   max_retries=cfg.max_retries, route_dir=cfg.route_dir, tool_format=tool_format)
 
     device = "server"
     """Where the turns are decoded, for the stages' numerics record."""
@@ -335,6 +339,8 @@ class OpenAIPolicy:
             if api_tools:
                 request["tools"] = api_tools
                 request["tool_choice"] = "required" if constrained and flags[row] else "auto"
+                # the trace template on the server lists the tools as this policy's prompts do (vLLM, SGLang)
+                request["extra_body"] = {"chat_template_kwargs": {"tool_format": self.tool_format}}
             return self._turn(request, conversations[row], tools)
 
         t0 = time.perf_counter()

@@ -19,5 +19,5 @@ from trace_lib.io import read_json
 def run_prepare_model(params: Params, root: Path = Path(".")) -> dict[str, Any]:
     """Resolve `params.model` into `root / model.out_dir`; returns the folder and its model.json."""
     cfg = params.model
-    out = resolve_model(cfg.id, Path(root) / cfg.out_dir, cfg.dtype)
+    out = resolve_model(cfg.id, Path(root) / cfg.out_dir, cfg.dtype, tool_format=cfg.tool_format)
     return {"model_dir": str(out), "model": read_json(out / "model.json")}

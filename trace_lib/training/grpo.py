@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
-from trace_lib.agent.chat import parse_assistant, render_prompt
+from trace_lib.agent.chat import parse_assistant
 from trace_lib.agent.policy import Policy
 from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
@@ -272,8 +272,8 @@ def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: in
     if callable(hint):
         hint = hint(preplayed)
     tools = env.tool_schemas()
-    prompt = policy.encode(render_prompt(policy.tokenizer, opening, tools))
-    guided = None if hint is None else policy.encode(render_prompt(policy.tokenizer, with_hint(opening, hint), tools))
+    prompt = policy.encode(policy.render(opening, tools))
+    guided = None if hint is None else policy.encode(policy.render(with_hint(opening, hint), tools))
     return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided, preplayed=preplayed)
 
 
@@ -357,20 +357,20 @@ def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_
         return
     cut = [o.model_copy(update={"content": truncate_text(tok, o.content, tool_result_tokens)})
            if o.role == "tool" else o for o in result.observations]
-    ids = policy.encode(_reply_text(tok, ep.context, msg, cut, tools))
+    ids = policy.encode(_reply_text(policy, ep.context, msg, cut, tools))
     full = ids if cut == result.observations else policy.encode(
-        _reply_text(tok, ep.context, msg, result.observations, tools))
+        _reply_text(policy, ep.context, msg, result.observations, tools))
     ep.context += [msg, *cut]
     ep.completion_ids += ids
     ep.agent_mask += [0] * len(ids)
     ep.latest = (len(ids), full)
 
 
-def _reply_text(tok: Any, context: list[Message], msg: Message, observations: list[Message], tools: list) -> str:
+def _reply_text(policy: Policy, context: list[Message], msg: Message, observations: list[Message], tools: list) -> str:
     """The environment's reply as the template renders it after the agent's turn, up to the next
     generation prompt (the agent's own turn, re-rendered, is cut off: its tokens are the generated ones)."""
-    before = render_prompt(tok, context, tools)
-    after = render_prompt(tok, [*context, msg, *observations], tools)
+    before = policy.render(context, tools)
+    after = policy.render([*context, msg, *observations], tools)
     if not after.startswith(before):
         raise RuntimeError("chat template is not prefix-stable across turns; cannot build multi-turn samples")
     rest = after[len(before):]

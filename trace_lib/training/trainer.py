@@ -155,7 +155,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
     """(Policy over the LoRA-wrapped model, base model id); the adapter is named 'default'."""
     from transformers import set_seed
 
-    from trace_lib.agent.policy import Policy, load_policy, resolve_model_path
+    from trace_lib.agent.policy import Policy, load_policy, prepared_tool_format, resolve_model_path
 
     set_seed(seed)  # the LoRA init draws from the global RNG
     if backend == "unsloth":
@@ -170,10 +170,11 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
             model, r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
             target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed)
         stable_target_modules(model)
-        tokenizer.chat_template = tool_chat_template()
+        tool_format = prepared_tool_format(model_dir)
+        tokenizer.chat_template = tool_chat_template(tool_format)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        policy = Policy(model, tokenizer, base_id)
+        policy = Policy(model, tokenizer, base_id, tool_format=tool_format)
         policy.set_adapter("default")
         return policy, base_id
     from peft import get_peft_model
