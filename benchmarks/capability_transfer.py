@@ -100,7 +100,8 @@ def main() -> None:
     params = params_from_dict(data)
     atomic_write_text(root / "params.yaml", yaml.safe_dump(data))
     t0 = time.perf_counter()
-    model_dir = resolve_model(params.model.id, Path(params.model.out_dir), params.model.dtype)
+    model_dir = resolve_model(params.model.id, Path(params.model.out_dir), params.model.dtype,
+                              tool_format=params.model.tool_format)
     spec = next(c for c in CAPABILITIES if c.id == args.capability)
     cap = Capability(id=spec.id, name=spec.name, description=spec.description, recognition=spec.recognition)
     manifest = synthesize_env(cap, "template", params, root)

@@ -187,6 +187,30 @@ def test_signature_format_lists_each_tool_on_a_line(smollm2_tokenizer):
     assert len(smollm2_tokenizer(text)["input_ids"]) < len(smollm2_tokenizer(json_text)["input_ids"])
 
 
+def test_signature_format_writes_odd_schemas_on_one_line(smollm2_tokenizer):
+    odd = {"name": "odd", "description": "Line one.\nLine two.", "parameters": {"type": "object", "$defs": {
+        "Cabin": {"enum": ["a", "b"]}, "Id": {"type": "string"},
+        "Leg": {"type": "object", "properties": {"start": {"$ref": "#/$defs/Airport"}}},
+        "Airport": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        "Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}},
+        "properties": {"cabin": {"$ref": "#/$defs/Cabin"}, "id": {"$ref": "#/$defs/Id"},
+                       "either": {"anyOf": [{"$ref": "#/$defs/Id"}, {"type": "integer"}]},
+                       "maybe": {"type": ["string", "null"], "description": "A text,\n   or nothing."},
+                       "nums": {"type": ["array", "null"], "items": {"type": "number"}},
+                       "leg": {"$ref": "#/$defs/Leg"}, "node": {"$ref": "#/$defs/Node"}, "three": {"const": 3},
+                       "airport": {"allOf": [{"$ref": "#/$defs/Airport"}]}, "anything": {},
+                       "unknown": {"$ref": "#/$defs/Nope"}},
+        "required": ["cabin"]}}
+    text = render_prompt(smollm2_tokenizer, [Message(role="user", content="hi")], [odd], "signature")
+    block = text.split("('?': optional):\n")[1].split("\n\nTo call a function")[0]
+    assert block.splitlines() == [
+        '- odd(cabin: "a" | "b", id?: string, either?: string | integer, maybe?: string | null, nums?: list[number] | null, '
+        "leg?: Leg{start?: Airport{code: string}}, node?: Node{next?: Node{next?: Node}}, three?: 3, "
+        "airport?: Airport{code: string}, anything?: any, unknown?: Nope): Line one. Line two.",
+        "    maybe: A text, or nothing.",  # descriptions on one line: a line break cannot start a false tool line
+    ]
+
+
 def test_tool_format_is_the_templates_default_and_a_render_argument_overrides_it(smollm2_tokenizer):
     msgs = [{"role": "user", "content": "hi"}]
     signature = tool_chat_template("signature")

@@ -544,6 +544,9 @@ def test_the_trainable_policy_samples_with_its_adapter(tiny_model_dir):
     trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".")[-2] for n in trainable} == {"default"}
+    assert policy.tool_format == "json"  # the folder records no format
+    listed, _ = load_trainable(tiny_model_dir, TrainConfig(lora_rank=4), "trl", seed=0, tool_format="signature")
+    assert listed.tool_format == "signature"  # the train stage passes `model.tool_format`
 
 
 def fake_unsloth(calls: list) -> SimpleNamespace:

@@ -534,7 +534,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # The CPU default: SmolLM2-135M on 2 cores, the whole pipeline in well under an hour.
     "cpu": {
         # bf16 ~1.8x faster than fp32 (AVX-512 bf16); the CPU even where a GPU is present (the default's bytes).
-        # Tools listed as signatures: the retail system turn 1,181 tokens instead of 1,833 (benchmarks/README.md:
+        # Tools listed as signatures: the retail system turn 1,180 tokens instead of 1,833 (benchmarks/README.md:
         # tool formats, 2026-11-28)
         "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "cpu", "tool_format": "signature"},
         "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4},  # 7 families x 2 = 14 tasks per split

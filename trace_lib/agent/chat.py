@@ -66,8 +66,9 @@ _CALL_SYNTAX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 TOOL_FORMATS = ("json", "signature")
 """How the system turn lists the tools (`model.tool_format`): 'json', one JSON schema per line (Hermes);
 'signature', one line per tool (`name(arg: type, opt?: type): description`) and one per described
-argument: the same names, types, enums and descriptions without the schemas' JSON syntax and pydantic
-titles (the retail target's first prompt: 1,181 tokens against 1,833; benchmarks/README.md: tool formats)."""
+argument, each on one line: the same names, types, enums and descriptions (not those of fields inside nested
+objects) without the schemas' JSON syntax and pydantic titles (the retail target's first prompt: 1,180 tokens
+against 1,833; benchmarks/README.md: tool formats)."""
 _FORMAT_DEFAULT = "{%- set tool_format = tool_format if tool_format is defined else 'json' -%}"
 
 

@@ -36,7 +36,8 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
         # Heavy (torch): imported only when validation rolls the policy out.
         from trace_lib.agent.policy import load_policy
 
-        policy = load_policy(Path(params.model.out_dir), dtype=params.model.dtype, device=params.model.device)
+        policy = load_policy(Path(params.model.out_dir), dtype=params.model.dtype, device=params.model.device,
+                             tool_format=params.model.tool_format)
         ledger = RolloutLedger(paths.synth_rollouts)
     manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence,
                                 policy=policy, ledger=ledger) for cap in kept]

@@ -124,7 +124,9 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     model_dir = Path(params.model.out_dir)  # from the working directory, as the rollout stage: sweeps share it
     cfg = params.train
     envs = valid_envs(root)
-    resume = {"resume_key": _resume_key(params), "keep_checkpoints": True}
+    # every training run: its checkpoints' key, and the prompts' tool list as the params say (a sweep may
+    # share a model folder prepared with another format)
+    common = {"resume_key": _resume_key(params), "keep_checkpoints": True, "tool_format": params.model.tool_format}
     manifests: list[AdapterManifest] = []
     timing: dict[str, Path] = {}
     with ExitStack() as stack:
@@ -138,7 +140,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 model_dir, [source], cfg, out_dir, seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(m.capability_id)), name=m.capability_id, progress=progress,
                 env_sha256=m.sha256, ckpt_dir=paths.checkpoint(m.capability_id), timing_path=timing[m.capability_id],
-                **resume))
+                **common))
         budget = trace_budget(root, [m.capability_id for m in envs], params.rollout.split)["total"] if envs else 0
         per_iter = cfg.groups * cfg.group_size
         baselines = {"grpo_target": lambda: [_target_source(params, root)],
@@ -158,7 +160,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
             manifests.append(train_adapter_mixture(
                 model_dir, baselines[name](), bcfg, out_dir, seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(name, baseline=True)), name=name, progress=progress,
-                ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], **resume))
+                ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], **common))
         if cfg.distill.iterations:
             if len(envs) < 2:
                 skipped[DISTILLED] = f"needs two or more capability adapters to distil, have {len(envs)}"
@@ -169,7 +171,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                     seed=params.seed, ledger=RolloutLedger(paths.train_ledger(DISTILLED, baseline=True)),
                     name=DISTILLED, progress=progress, ckpt_dir=paths.checkpoint(DISTILLED, baseline=True),
                     timing_path=timing[DISTILLED], teachers={m.capability_id: paths.adapter(m.capability_id)
-                                                             for m in envs}, **resume))
+                                                             for m in envs}, **common))
     if rank > 0:  # process 0 writes the stage's outputs
         return {}
     write_jsonl(paths.adapter_manifests, manifests)

@@ -151,7 +151,7 @@ def _train_dtype(cfg: TrainConfig) -> str:
     return cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
+def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, tool_format: str | None = None):
     """(Policy over the LoRA-wrapped model, base model id); the adapter is named 'default'."""
     from transformers import set_seed
 
@@ -170,7 +170,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
             model, r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
             target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed)
         stable_target_modules(model)
-        tool_format = prepared_tool_format(model_dir)
+        tool_format = tool_format or prepared_tool_format(model_dir)
         tokenizer.chat_template = tool_chat_template(tool_format)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -179,7 +179,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int):
         return policy, base_id
     from peft import get_peft_model
 
-    policy = load_policy(model_dir, dtype=_train_dtype(cfg))
+    policy = load_policy(model_dir, dtype=_train_dtype(cfg), tool_format=tool_format)
     policy.model = get_peft_model(policy.model, lora_config(cfg, policy.model))
     stable_target_modules(policy.model)
     policy.set_adapter("default")  # generate with the adapter being trained, not the base model
@@ -428,7 +428,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
                           seed: int, ledger: RolloutLedger, name: str, progress: bool = False,
                           env_sha256: str = "", ckpt_dir: Path | None = None, resume_key: str = "",
                           keep_checkpoints: bool = False, timing_path: Path | None = None,
-                          teachers: Mapping[str, Path] | None = None) -> AdapterManifest:
+                          teachers: Mapping[str, Path] | None = None, tool_format: str | None = None) -> AdapterManifest:
     """Train one LoRA adapter with GRPO on one or more environments (see the module docstring for the
     outputs); with several, each group's source is drawn with the sources' weights.
 
@@ -437,7 +437,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     `keep_checkpoints` they stay after the adapter is written, for the caller to delete. `timing_path`
     receives the wall times (module docstring). With `teachers` (source name -> adapter folder, one per
     source) the adapter is a student distilled from them on-policy (`DistillGRPOTrainer`) instead of
-    trained on rewards."""
+    trained on rewards. `tool_format` (`model.tool_format`): how the prompts list the tools; None: as the
+    prepared folder records it."""
     if len({s.name for s in sources}) != len(sources) or not sources:
         raise ValueError(f"need one or more sources with distinct names, got {[s.name for s in sources]}")
     if any(":" in s.name for s in sources):
@@ -482,7 +483,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         raise ValueError(f"rollout budget {budget} cannot pay for one iteration of {per_iter} rollouts")
 
     set_threads(cfg.threads)
-    policy, base_id = load_trainable(Path(model_dir), cfg, backend, seed)
+    policy, base_id = load_trainable(Path(model_dir), cfg, backend, seed, tool_format)
     reward = make_reward(cfg.reward)
     if state["reward"] is not None:
         reward.load_state_dict(state["reward"])
@@ -506,7 +507,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     if teachers is not None:
         from trace_lib.agent.policy import load_policy
 
-        trainer.teachers = load_policy(model_dir, dtype=_train_dtype(cfg),
+        trainer.teachers = load_policy(model_dir, dtype=_train_dtype(cfg), tool_format=policy.tool_format,
                                        adapters={k: str(v) for k, v in teachers.items()}, device=str(policy.device))
         # a second copy of the base model (on every process): PEFT saves every adapter a model holds, so teachers
         # loaded into the student would end up in its checkpoints
