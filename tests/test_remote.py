@@ -147,7 +147,7 @@ def test_generate_sends_messages_tools_choice_seed_and_model_and_records_usage()
     assert first["model"] == "smollm2-135m" and third["model"] == "communicate_result"
     assert (first["temperature"], first["top_p"], first["max_tokens"]) == (0.5, 0.9, 32)
     assert first["tools"] == normalize_tools(env.tool_schemas())
-    assert first["chat_template_kwargs"] == {"tool_format": "json"}  # the trace template's format, sent along
+    assert "chat_template_kwargs" not in first  # json: the trace template's default, nothing to ask of the server
     assert [m["role"] for m in first["messages"]] == [m.role for m in env.state.messages]
     assert [g.message.tool_calls[0].arguments for g in out] == [{"key": "k3"}] * 2
     assert (out[0].prompt_tokens, out[0].completion_tokens) == (40, 9)

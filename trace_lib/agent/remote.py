@@ -180,7 +180,8 @@ class OpenAIPolicy:
         self._shown: str | None = None  # the route's label in policy_id while a merge is served
         self.concurrency = concurrency
         self.tool_format = tool_format
-        """How the server's trace template lists the tools (sent as `chat_template_kwargs` with each request)."""
+        """How the server's trace template lists the tools (sent as `chat_template_kwargs` with each request
+        that carries tools, unless 'json', the template's default)."""
         self.stats = ServerStats()
         self._lock = threading.Lock()
 
@@ -339,8 +340,9 @@ class OpenAIPolicy:
             if api_tools:
                 request["tools"] = api_tools
                 request["tool_choice"] = "required" if constrained and flags[row] else "auto"
-                # the trace template on the server lists the tools as this policy's prompts do (vLLM, SGLang)
-                request["extra_body"] = {"chat_template_kwargs": {"tool_format": self.tool_format}}
+                if self.tool_format != "json":  # the template's default; a server without trace's template
+                    # (or one refusing unknown fields) is only asked for it where another format is wanted
+                    request["extra_body"] = {"chat_template_kwargs": {"tool_format": self.tool_format}}
             return self._turn(request, conversations[row], tools)
 
         t0 = time.perf_counter()
