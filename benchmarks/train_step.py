@@ -171,10 +171,11 @@ def main() -> None:
                                  lambda seeds: synthetic_tasks(box, args.capability, seeds,
                                                                params.synthesize.difficulty, "train"))
             formats = args.tool_formats.split(",") if args.tool_formats else [None]
+            model_dirs = {fmt: Path(args.model_dir) if fmt is None else resolve_model(  # one folder per format
+                str(Path(args.model_dir).resolve()), Path(tmp) / f"model-{fmt}", params.model.dtype, tool_format=fmt)
+                for fmt in formats}
             for row, fmt in [(r, f) for f in formats for r in args.rows.split(",")]:
-                model_dir = Path(args.model_dir) if fmt is None else resolve_model(
-                    str(Path(args.model_dir).resolve()), Path(tmp) / f"model-{fmt}", params.model.dtype,
-                    tool_format=fmt)
+                model_dir = model_dirs[fmt]
                 name = row if fmt is None else f"{row}[{fmt}]"
                 out = Path(tmp) / name
                 if row in TRL_ENV_ROWS:

@@ -829,6 +829,14 @@ def prepared_tool_format(model_dir: str | Path) -> str:
     return str(read_json(manifest).get("tool_format", "json")) if manifest.is_file() else "json"
 
 
+def use_tool_template(tokenizer: Any, model_dir: str | Path, tool_format: str | None = None) -> str:
+    """Give `tokenizer` the trace chat template listing tools in `tool_format` (None: the prepared folder's,
+    `prepared_tool_format`); returns the format used."""
+    tool_format = tool_format or prepared_tool_format(model_dir)
+    tokenizer.chat_template = tool_chat_template(tool_format)
+    return tool_format
+
+
 def resolve_model_path(model_dir: str | Path) -> tuple[str, str]:
     """(path or hub id to load, base id) for a prepared folder, a plain HF folder, or a hub id."""
     path = Path(model_dir)
@@ -878,9 +886,7 @@ def load_policy(
     target = resolve_device(device)
     if attn_implementation == "cascade" and target.type == "cpu":
         model.set_attn_implementation(CASCADE)
-    tool_format = tool_format or prepared_tool_format(model_dir)
-    if tokenizer.chat_template != tool_chat_template(tool_format):
-        tokenizer.chat_template = tool_chat_template(tool_format)
+    tool_format = use_tool_template(tokenizer, model_dir, tool_format)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if adapters:

@@ -155,13 +155,11 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, t
     """(Policy over the LoRA-wrapped model, base model id); the adapter is named 'default'."""
     from transformers import set_seed
 
-    from trace_lib.agent.policy import Policy, load_policy, prepared_tool_format, resolve_model_path
+    from trace_lib.agent.policy import Policy, load_policy, resolve_model_path, use_tool_template
 
     set_seed(seed)  # the LoRA init draws from the global RNG
     if backend == "unsloth":
         from unsloth import FastLanguageModel  # lazy: GPU machines only
-
-        from trace_lib.agent.chat import tool_chat_template
 
         load, base_id = resolve_model_path(model_dir)
         model, tokenizer = FastLanguageModel.from_pretrained(model_name=load, dtype=None, load_in_4bit=False)
@@ -170,8 +168,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, t
             model, r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
             target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed)
         stable_target_modules(model)
-        tool_format = tool_format or prepared_tool_format(model_dir)
-        tokenizer.chat_template = tool_chat_template(tool_format)
+        tool_format = use_tool_template(tokenizer, model_dir, tool_format)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         policy = Policy(model, tokenizer, base_id, tool_format=tool_format)
