@@ -256,3 +256,45 @@ def test_cat_adapter_refuses_what_does_not_concatenate(adapter_dirs, tmp_path):
         cat_adapter(adapter_dirs, {"a": 0.5, "z": 0.5})
     with pytest.raises(FileNotFoundError, match="not a saved PEFT adapter"):
         cat_adapter({"a": tmp_path}, {"a": 1.0})
+
+
+def test_routed_lora_gives_each_row_its_route(policy, ids):
+    """One batch whose rows run under the base model, adapter a, adapter b and a weighted merge: each row's
+    logits are those of its weights alone (PEFT's adapter path, or the merge in the base weights)."""
+    from trace_lib.agent.kvcache import RowRoutes, row_routes
+    from trace_lib.agent.row_lora import RoutedLora
+
+    routes = [{}, {"a": 1.0}, {"b": 1.0}, {"a": 0.4, "b": -1.5}]
+    rows = ids[[0, 1, 1, 0, 0, 1]]
+    row_route = [0, 1, 3, 2, 3, 0]
+    with RoutedLora(policy.model, routes), row_routes(RowRoutes(row_route)):
+        got = logits(policy.model, rows)
+    for i, k in enumerate(row_route):
+        if k == 0:
+            want = base_logits(policy, rows[i:i + 1])
+        elif k in (1, 2):
+            with use_adapter(policy, "a" if k == 1 else "b"):
+                want = logits(policy.model, rows[i:i + 1])
+        else:
+            with merged_adapters(policy.model, routes[3]):
+                want = logits(policy.model, rows[i:i + 1])
+        torch.testing.assert_close(got[i:i + 1], want, rtol=1e-4, atol=1e-4)
+    # outside, PEFT's own adapter state is back
+    with use_adapter(policy, "a"):
+        torch.testing.assert_close(logits(policy.model, rows[1:2]), got[1:2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(base_logits(policy, rows[:1]), got[:1], rtol=1e-4, atol=1e-4)
+
+
+def test_routed_lora_refuses_what_it_cannot_route(policy, ids):
+    from trace_lib.agent.kvcache import RowRoutes, row_routes
+    from trace_lib.agent.row_lora import RoutedLora
+
+    with pytest.raises(ValueError, match=r"unknown adapter\(s\) \['zzz'\]"):
+        RoutedLora(policy.model, [{}, {"zzz": 1.0}])
+    with RoutedLora(policy.model, [{}, {"a": 1.0}]):
+        with pytest.raises(RuntimeError, match="without the rows' routes"):
+            logits(policy.model, ids)
+        with pytest.raises(ValueError, match="routes for 3 rows, the batch has 2"), row_routes(RowRoutes([0, 1, 1])):
+            logits(policy.model, ids)
+    with merged_adapters(policy.model, {"a": 0.5}):  # the merge's own path is untouched
+        pass

@@ -15,6 +15,7 @@ from trace_lib.evaluation.gepa import RULES_REASON, gepa_status
 from trace_lib.evaluation.inputs import adapter_budget, find_adapters, trace_budget
 from trace_lib.evaluation.runner import (
     EvaluateConfig,
+    decode_into_memo,
     evaluate_policy,
     interference_matrix,
     oracle_decisions,
@@ -164,6 +165,37 @@ def test_memo_shares_greedy_episodes_between_methods(policy, monkeypatch):
     assert calls[-1] == ["toy/read/0"]
     with pytest.raises(ValueError, match="only at temperature 0"):
         evaluate_policy(policy, tasks, KVEnv, CFG.model_copy(update={"temperature": 0.5}), seed=0, memo={})
+
+
+def test_decode_into_memo_plays_every_method_in_one_batch_as_each_alone(policy, monkeypatch):
+    """Episodes of the base model, two adapters and a merge decoded in one batch (rows under different
+    weights) are the episodes each method decodes alone (fp32, greedy), named as they are."""
+    import trace_lib.evaluation.runner as ev
+
+    tasks = [kv_task(i) for i in range(4)]
+    cfg = CFG.model_copy(update={"batch_size": 8})
+    decisions = {"toy/read/0": {"b": 1.0}, "toy/read/1": {}, "toy/read/2": {"a": 0.5, "b": 0.25},
+                 "toy/read/3": {"a": 1.0}}
+    routings = [None, "a", "b", {"a": 0.5, "b": 0.25}, decisions]
+    alone = [evaluate_policy(policy, tasks, KVEnv, cfg, seed=0, routing=r) for r in routings]
+    memo: dict = {}
+    before = base_state(policy)
+    assert decode_into_memo(policy, tasks, KVEnv, cfg, 0, routings, memo) == 16  # the decisions add nothing new
+    assert all(torch.equal(before[n], p) for n, p in base_state(policy).items())
+    monkeypatch.setattr(ev, "collect_rollouts", lambda *a, **k: pytest.fail("decoded again"))
+    together = [evaluate_policy(policy, tasks, KVEnv, cfg, seed=0, routing=r, memo=memo) for r in routings]
+    assert together == alone
+    assert {t.policy_id for t in together[3]} == {"tiny+merge[a=0.5,b=0.25]"}
+    assert decode_into_memo(policy, tasks, KVEnv, cfg, 0, routings, memo) == 0  # all there already
+    # another batch size: rows meet other rows, the episodes stay the same
+    memo2: dict = {}
+    decode_into_memo(policy, tasks, KVEnv, cfg.model_copy(update={"batch_size": 3}), 0, routings, memo2)
+    assert memo2 == memo
+    # where one batch cannot mix weights, nothing is decoded ahead
+    monkeypatch.setattr(type(policy), "plays_turns", property(lambda self: False))
+    assert decode_into_memo(policy, tasks, KVEnv, cfg, 0, routings, {}) == 0
+    with pytest.raises(ValueError, match="only at temperature 0"):
+        decode_into_memo(policy, tasks, KVEnv, cfg.model_copy(update={"temperature": 0.5}), 0, routings, {})
 
 
 def test_route_all_scores_label_tokens_and_none_routes_to_base(policy):
@@ -457,6 +489,25 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     for name in ("evaluate_success.png", "evaluate_routing_confusion.png", "evaluate_interference.png"):
         assert (tmp_path / "reports" / "figures" / name).is_file()
     assert json.loads((tmp_path / "reports" / "metrics" / "evaluate.json").read_text())["tasks"] == 2
+
+
+def test_run_evaluate_decoding_methods_together_writes_the_same_episodes(tmp_path, tiny_model_dir, lora_dirs,
+                                                                         monkeypatch):
+    """`evaluate.decode_together`: every method's episodes in one batch, rows under different weights; the
+    stage writes the same trajectories (fp32, greedy) and says how many it decoded that way."""
+    from trace_lib.stages.evaluate import run_evaluate
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    out = {}
+    for together in (False, True):
+        root = tmp_path / str(together)
+        params = evaluate_tree(root, tiny_model_dir, lora_dirs, distilled=True)
+        params = params.model_copy(update={"evaluate": params.evaluate.model_copy(
+            update={"decode_together": together, "interference_seeds": 0})})
+        metrics = run_evaluate(params, root, progress=False)
+        out[together] = {f.name: f.read_text() for f in sorted((root / "data/evaluate/trajectories").iterdir())}
+        assert metrics["episodes_decoded_together"] == (metrics["episodes_decoded"] if together else 0)
+    assert out[True] == out[False] and len(out[True]) >= 8
 
 
 def test_run_evaluate_on_a_server_without_a_local_model(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):

@@ -268,3 +268,22 @@ def test_select_rows_drops_columns_no_kept_row_uses_and_append_rows_right_aligns
     assert merged_mask[:, :2].all()
     with pytest.raises(ValueError, match="share their offset"):
         append_rows(cache, mask, *_buffered_cache([[1]], offset=1), spare=1, prefix_len=2)
+
+
+@pytest.mark.parametrize("lq", [1, 12])  # decoding (the products) and a prefill block (the flash kernel)
+@pytest.mark.parametrize("routes", [[2, 0, 2, 1, 0], [1, 1, 1], [0, 2, 2, 0]])
+def test_routed_prefix_attention_gives_each_row_its_routes_prefix(lq, routes):
+    """Rows under different routes, one shared prefix per route: each row's prefix part is that of its own
+    route's prefix alone (routes in any order, some absent, uneven counts)."""
+    from trace_lib.agent.kvcache import RowRoutes, _prefix_attention, _routed_prefix_attention
+
+    torch.manual_seed(0)
+    b, h, hkv, d, p = len(routes), 6, 2, 8, 40
+    q = torch.randn(b, h, lq, d)
+    pk, pv = torch.randn(3, hkv, p, d), torch.randn(3, hkv, p, d)
+    few = lq <= 8
+    out, lse = _routed_prefix_attention(q, pk, pv, RowRoutes(routes), None, few)
+    for i, g in enumerate(routes):
+        o, l = _prefix_attention(q[i:i + 1], pk[g:g + 1], pv[g:g + 1], None, few)
+        torch.testing.assert_close(out[i:i + 1], o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[i:i + 1], l, rtol=1e-5, atol=1e-5)

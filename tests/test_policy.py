@@ -73,7 +73,7 @@ def test_sampling_is_deterministic_per_seed_and_per_row(policy):
 
 def test_prefix_cache_matches_uncached_path(policy):
     prompts = [policy.encode(policy.render(c, TOOLS)) for c in convs(4)]
-    plen, kv = policy._prefix_for(prompts)
+    plen, kv = policy._prefix_for(prompts, policy.adapter)
     assert plen > 200 and kv is not None  # the tool list is shared
     with torch.inference_mode():
         plain, _, _ = policy._prefill(prompts, 0, None, 4)
@@ -565,3 +565,16 @@ def test_play_turns_starts_a_new_episode_in_a_slot_and_defers_one_with_another_p
                                 processor=grammar(1))
     assert extra == alone
     assert parse_assistant(pol.tokenizer.decode(alone[0][:-1]), TOOLS).tool_calls
+
+
+def test_play_turns_routes_are_checked(tiny_model_dir):
+    pol = load_policy(tiny_model_dir)
+    prompts, next_turn, _ = _turn_script(pol, 2, [1, 1])
+    keys = [("ep", 0), ("ep", 1)]
+    kw = dict(temperature=0.0, top_p=1.0, max_new_tokens=4, seed=0, sessions=keys)
+    with pytest.raises(ValueError, match="routes and row_routes go together"):
+        pol.play_turns(prompts, next_turn, routes=[{}], **kw)
+    with pytest.raises(ValueError, match="an index into the 1 routes"):
+        pol.play_turns(prompts, next_turn, routes=[{}], row_routes=[0, 1], **kw)
+    with pytest.raises(ValueError, match="NextTurn.route 0"):  # a route without routes to index
+        pol.play_turns(prompts, lambda i, toks, why: (prompts[i] + toks, False, ("new", i), 0), **kw)

@@ -153,9 +153,10 @@ def test_adapter_is_identity(loras, tmp_path):
     assert not adapter_is_identity(tmp_path)  # no weights file
 
 
-@pytest.mark.parametrize("backend", ["embedded", "openai"])
+@pytest.mark.parametrize("backend", ["embedded", "embedded-together", "openai"])
 def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch, backend):
-    """Evaluate on 2 tasks with two adapters that each have one snapshot, then the scaling stage; in-process,
+    """Evaluate on 2 tasks with two adapters that each have one snapshot, then the scaling stage; in-process
+    (method by method, and with every method's and point's episodes in one batch: `evaluate.decode_together`),
     and on a (fake) server that loads every adapter and snapshot by name."""
     from test_remote import FakeOpenAI, serving
 
@@ -163,7 +164,8 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
         server = {"policy": {"backend": "openai", "base_url": api.url, "served_model": tiny_model_dir.name,
                              "route_dir": str(tmp_path / "routes")},
                   "model": {"out_dir": "no/such/model"}} if backend == "openai" else {}
-        routed = run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server)
+        routed = run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server,
+                                  together=backend == "embedded-together")
     if backend == "openai":
         loaded = {b["lora_name"] for path, b in api.requests if path == "/v1/load_lora_adapter"}
         assert {*(f"{c}@iter-1" for c in routed), "grpo_target@iter-2", "grpo_target", "precondition_verification",
@@ -174,7 +176,7 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
         assert not {f"{c}@iter-1" for c in unrouted} & loaded
 
 
-def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict) -> set[str]:
+def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict, together: bool = False) -> set[str]:
     """The stages on two tasks; returns the capabilities the router sent a task to."""
     from trace_lib.stages.evaluate import run_evaluate
     from trace_lib.stages.scaling import run_scaling
@@ -203,7 +205,7 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict)
         "env": {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2},
         "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
         "evaluate": {"interference_seeds": 0, "n_boot": 100, "methods": ["base", "trace", "grpo_target"],
-                     "route_mode": "argmax"}, **server,
+                     "route_mode": "argmax", "decode_together": together}, **server,
     })
     run_evaluate(params, tmp_path, progress=False)
     metrics = run_scaling(params, tmp_path, progress=False)

@@ -457,6 +457,14 @@ class EvaluateConfig(Section):
     interference_seeds: int = Field(4, ge=0)
     """Synthetic-env tasks per capability for the interference matrix (each adapter and the base on
     each capability's env); 0 skips it."""
+    decode_together: bool = False
+    """Greedy evaluation with trace's own engine: decode every method's episodes (and the scaling stage's
+    every budget point's) in one continuously refilled batch whose rows run under different weights
+    (`runner.decode_into_memo`, `agent.row_lora`), instead of one batch per method. Off by default: on
+    the CPU default's retail test split (98 episodes, ~4k-token histories) it took 612 s against 547 s
+    method by method, each decoding step being bound by reading its rows' histories, which more rows do not
+    share, and continuous batching copying the batch's KV buffers as turns end and start; with 7 tasks
+    per method it took 202 s against 291 s (benchmarks/README.md: evaluate_routes.py, 2026-11-28)."""
     methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))
     """Methods to run (others are reported as 'not run'): base, grpo_target, gepa, merged_data,
     linear_merge, single, oracle_route, trace."""

@@ -34,6 +34,13 @@ def merge_label(weights: Mapping[str, float]) -> str:
     return "merge[" + ",".join(f"{n}={float(w):.6g}" for n, w in sorted(weights.items())) + "]"
 
 
+def route_label(weights: Mapping[str, float]) -> str | None:
+    """What a route's trajectories and caches call it: None (the base model), the adapter's name (one
+    adapter at α = 1), or `merge_label` (any other weights)."""
+    weights = active_weights(dict(sorted(weights.items())))
+    return (sole_adapter(weights) or merge_label(weights)) if weights else None
+
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _REFUSED = {"use_dora": "DoRA", "lora_bias": "LoRA bias", "modules_to_save": "modules_to_save",

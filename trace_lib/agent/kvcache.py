@@ -34,6 +34,58 @@ FILLED = "trace_filled"
 _SHARED: ContextVar[list[tuple[torch.Tensor, torch.Tensor]] | None] = ContextVar("trace_shared_prefix", default=None)
 
 
+class RowRoutes:
+    """Which route (index into a mixed batch's routes: base model, one adapter or a merge) each row of one
+    forward runs under. Read by `cascade_attention` (each route's rows attend to that route's shared prefix)
+    and by `agent.row_lora`'s LoRA layers (each row gets its route's low-rank delta)."""
+
+    def __init__(self, routes: list[int], device: torch.device | str = "cpu") -> None:
+        self.routes = list(routes)
+        self.index = torch.tensor(self.routes, dtype=torch.long, device=device)
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(self.routes):
+            members.setdefault(g, []).append(i)
+        self.present = set(members)
+        # The rows laid out route by route, each route padded to the largest route's rows (`width`; the pads
+        # repeat the route's first row): `cascade_attention` computes every route's prefix part as one batched
+        # product, route g's queries against route g's prefix.
+        order = sorted(members)
+        self.width = max((len(rows) for rows in members.values()), default=0)
+        self.present_index = torch.tensor(order, dtype=torch.long, device=device)
+        gather, slot = [], [0] * len(self.routes)
+        for k, g in enumerate(order):
+            rows = members[g]
+            for j, i in enumerate(rows):
+                slot[i] = k * self.width + j
+            gather += rows + [rows[0]] * (self.width - len(rows))
+        self.gather = torch.tensor(gather, dtype=torch.long, device=device)
+        self.slot = torch.tensor(slot, dtype=torch.long, device=device)
+
+
+_ROWS: ContextVar[RowRoutes | None] = ContextVar("trace_row_routes", default=None)
+
+
+def current_row_routes() -> RowRoutes | None:
+    """The `RowRoutes` of the forward running now (set by `row_routes`), or None (one route for all rows)."""
+    return _ROWS.get()
+
+
+class row_routes:
+    """Context manager: the model calls inside run their rows under these routes (`RowRoutes`); None: no
+    per-row routes."""
+
+    def __init__(self, routes: RowRoutes | None) -> None:
+        self.routes = routes
+
+    def __enter__(self):
+        self._token = _ROWS.set(self.routes)
+        return self
+
+    def __exit__(self, *exc):
+        _ROWS.reset(self._token)
+        return False
+
+
 class BufferedLayer(DynamicLayer):
     """A DynamicLayer whose keys/values live in a preallocated buffer (views, no per-step cat).
 
@@ -196,7 +248,10 @@ def supports_cascade(model: Any) -> bool:
 
 
 class shared_prefix:
-    """Context manager: attention layers see `kv` (per-layer (1, kv_heads, P, dim)) as a prefix of every row."""
+    """Context manager: attention layers see `kv` (per-layer (1, kv_heads, P, dim)) as a prefix of every row.
+
+    A mixed-route batch passes one prefix per route, stacked (per-layer (routes, kv_heads, P, dim)): a row
+    attends to the prefix of its route (`row_routes`)."""
 
     def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         self.kv = kv
@@ -311,6 +366,37 @@ def _ragged_matmul_attention(q, k, v, mask=None, scale=None):
     return out, lse
 
 
+def _prefix_attention(query, pk, pv, scaling, few):
+    """(out, lse) of every row's queries over one shared prefix (1, kv_heads, P, dim): every query sees every
+    prefix position, so all rows' queries share one product."""
+    b, h, lq, d = query.shape
+    hkv = pk.shape[1]
+    rep = h // hkv
+    qg = query.reshape(b, hkv, rep, lq, d).transpose(0, 1).reshape(1, hkv, b * rep * lq, d)
+    out_p, lse_p = (_matmul_attention if few else _flash)(qg, pk, pv, scale=scaling)
+    out_p = out_p.reshape(hkv, b, rep, lq, d).transpose(0, 1).reshape(b, h, lq, d)
+    return out_p, lse_p.reshape(hkv, b, rep, lq).transpose(0, 1).reshape(b, h, lq).float()
+
+
+def _routed_prefix_attention(query, pk, pv, rows: RowRoutes, scaling, few):
+    """`_prefix_attention` where each route has its own prefix (pk, pv: (routes, kv_heads, P, dim)): the rows
+    laid out route by route (`RowRoutes.gather`), one batched product over the routes present, the rows picked
+    back (`RowRoutes.slot`). One product instead of one per route: at 7 routes, looping cost ~0.4 ms a route
+    and layer at decoding, mostly fixed costs."""
+    b, h, lq, d = query.shape
+    hkv = pk.shape[1]
+    rep, m = h // hkv, rows.width
+    if len(rows.present) < pk.shape[0]:
+        pk, pv = pk.index_select(0, rows.present_index), pv.index_select(0, rows.present_index)
+    g = pk.shape[0]
+    qg = query.reshape(b, hkv, rep * lq, d).index_select(0, rows.gather)
+    qg = qg.reshape(g, m, hkv, rep * lq, d).transpose(1, 2).reshape(g, hkv, m * rep * lq, d)
+    out, lse = (_matmul_attention if few else _flash)(qg, pk, pv, scale=scaling)
+    out = out.reshape(g, hkv, m, rep * lq, d).transpose(1, 2).reshape(g * m, h, lq, d).index_select(0, rows.slot)
+    lse = lse.reshape(g, hkv, m, rep * lq).transpose(1, 2).reshape(g * m, h, lq).index_select(0, rows.slot)
+    return out, lse.float()
+
+
 def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention over [shared prefix | row suffix]; exact up to float rounding."""
     shared = _SHARED.get()
@@ -319,14 +405,16 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                       scaling=scaling, **kwargs)
     pk, pv = shared[module.layer_idx]
     b, h, lq, d = query.shape
-    hkv, plen = pk.shape[1], pk.shape[2]
-    rep = h // hkv
+    plen, rep = pk.shape[2], h // pk.shape[1]
     few = lq <= MATMUL_MAX_QUERIES
-    # Prefix: every query sees every prefix position, so all rows' queries share one product.
-    qg = query.reshape(b, hkv, rep, lq, d).transpose(0, 1).reshape(1, hkv, b * rep * lq, d)
-    out_p, lse_p = (_matmul_attention if few else _flash)(qg, pk, pv, scale=scaling)
-    out_p = out_p.reshape(hkv, b, rep, lq, d).transpose(0, 1).reshape(b, h, lq, d)
-    lse_p = lse_p.reshape(hkv, b, rep, lq).transpose(0, 1).reshape(b, h, lq).float()
+    if pk.shape[0] == 1:
+        out_p, lse_p = _prefix_attention(query, pk, pv, scaling, few)
+    else:  # one prefix per route: each route's rows against its own, one product per route
+        rows = _ROWS.get()
+        if rows is None or len(rows.routes) != b:
+            raise ValueError(f"{pk.shape[0]} shared prefixes (one per route) need the routes of the {b} rows "
+                             "(kvcache.row_routes)")
+        out_p, lse_p = _routed_prefix_attention(query, pk, pv, rows, scaling, few)
     mask = None if attention_mask is None else attention_mask[..., plen:]
     filled = getattr(key, FILLED, key.shape[-2])  # a BufferedLayer's whole buffer is longer than its filled part
     if mask is not None and mask.shape[-1] != filled:

@@ -30,6 +30,9 @@ chosen adapter or none).
 * continuous batching across turns (`play_turns`, GRPO's sampling): a row whose turn ended starts its
   next one (its environment reply prefilled from its session) and joins the batch still decoding
   (`kvcache.append_rows`), instead of every turn waiting for the call's longest row.
+* rows under different weights in one batch (`play_turns(routes=...)`, the evaluate and scaling stages):
+  each row runs under its own route (the base model, one adapter or a merge; `row_lora`), with one shared
+  prefix per route, so Table 1's methods decode as one batch instead of one batch each.
 
 Sampling draws from one `torch.Generator` per row seeded by (seed, row) (in `play_turns`, per turn),
 so a row's tokens do not depend on which other rows share its batch; temperature 0 is greedy.
@@ -40,7 +43,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,7 +53,9 @@ from transformers.cache_utils import DynamicCache
 
 from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
-from trace_lib.agent.kvcache import CASCADE, append_rows, buffered, new_cache, select_rows, shared_prefix, supports_cascade
+from trace_lib.agent.adapters import route_label
+from trace_lib.agent.kvcache import (CASCADE, RowRoutes, append_rows, buffered, new_cache, row_routes, select_rows,
+                                     shared_prefix, supports_cascade)
 from trace_lib.agent.threads import govern_threads, set_threads
 from trace_lib.records import Message
 
@@ -105,6 +110,8 @@ class NextTurn(NamedTuple):
     require_tool_call: bool = False
     session: Hashable | None = None
     """A new session key: the row starts another episode (the caller ends the old one's session)."""
+    route: int | None = None
+    """With `session`, in a `play_turns` call with `routes`: the new episode's route (an index into them)."""
 
 
 @dataclass
@@ -118,6 +125,10 @@ class _TurnRun:
     processor: Any
     turns: int = 0
     """Turns started so far: the next one draws from row_seed(seed, turns)."""
+    route_of: list[int] | None = None
+    """Per row, the index of the route it runs under (`play_turns` with `routes`); None: the policy's adapter."""
+    labels: list[str | None] | None = None
+    """Per route, its name in session heads and prefix keys (None, an adapter, or a merge label)."""
     prefill_seconds: float = 0.0
     callback_seconds: float = 0.0
     """Spent in `next_turn` (the caller's environments), neither prefill nor decoding."""
@@ -230,6 +241,17 @@ class Policy:
             return self.model.disable_adapter()
         return nullcontext()
 
+    def _routes_context(self, run: _TurnRun):
+        """The adapter context of a `play_turns` call: none with routes (`row_lora` sets every row's)."""
+        return nullcontext() if run.route_of is not None else self._adapter_context()
+
+    def _head(self, run: _TurnRun, r: int, prefix_ids: tuple[int, ...]) -> tuple[str | None, tuple[int, ...]]:
+        """What row r's kept sessions must have been computed under: its route (or the adapter) and the prefix."""
+        return (self.adapter if run.route_of is None else run.labels[run.route_of[r]], prefix_ids)
+
+    def _row_routes(self, run: _TurnRun, rows: Sequence[int], device: torch.device) -> RowRoutes | None:
+        return None if run.route_of is None else RowRoutes([run.route_of[r] for r in rows], device)
+
     # --- text helpers -------------------------------------------------------------------------
     def render(self, messages: list[Message], tools: list[dict[str, Any]]) -> str:
         return render_prompt(self.tokenizer, messages, tools, self.tool_format)
@@ -325,7 +347,7 @@ class Policy:
         govern_threads()
         use_prefix = self.prefix_cache if use_prefix_cache is None else use_prefix_cache
         with self._adapter_context():
-            prefix_len, prefix_kv = self._prefix_for(prompts) if use_prefix else (0, None)
+            prefix_len, prefix_kv = self._prefix_for(prompts, self.adapter) if use_prefix else (0, None)
         cascade = prefix_kv is not None and supports_cascade(self.model)
         with self._adapter_context(), shared_prefix(prefix_kv if cascade else None):
             return self._decode(prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens,
@@ -343,6 +365,8 @@ class Policy:
         seed: int,
         sessions: Sequence[Hashable],
         processor: Any = None,
+        routes: Sequence[Mapping[str, float]] | None = None,
+        row_routes: Sequence[int] | None = None,
     ) -> float:
         """Decode every row's turns until its episode ends, rows starting new turns as others still decode;
         returns the seconds spent in `next_turn` (the caller's, not decoding: the policy's stats leave them out).
@@ -367,6 +391,11 @@ class Policy:
         turns end depends only on the tokens, so a call is deterministic. Models with sliding-window
         layers (no buffered cache, `kvcache.buffered`) are refused: decode their turns call by call
         with `generate_ids`.
+
+        `routes` ({adapter: α} each; {} the base model) with `row_routes` (per row, an index into them):
+        each row runs under its own route in the same batch (`agent.row_lora`), its episodes' later
+        `NextTurn`s naming the new episode's route. Each route has its own shared prefix and sessions. Without
+        them every row runs under the policy's adapter.
         """
         if len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} session keys for {len(prompts)} prompts")
@@ -377,32 +406,46 @@ class Policy:
                              "decode its turns call by call with generate_ids")
         if not prompts:
             return 0.0
+        if (routes is None) != (row_routes is None):
+            raise ValueError("routes and row_routes go together")
+        if routes is not None and (len(row_routes) != len(prompts)
+                                   or not all(0 <= k < len(routes) for k in row_routes)):
+            raise ValueError(f"row_routes must give each of the {len(prompts)} rows an index into the "
+                             f"{len(routes)} routes")
         t0 = time.perf_counter()
         govern_threads()
         torch.manual_seed(seed)
         run = _TurnRun(list(prompts), list(sessions), next_turn, seed, processor)
         starting = [(r, None) for r in range(len(prompts))]  # the processor already has the first rows' grammars
-        while starting:  # one batch per shared prefix
-            with self._adapter_context():
-                prefix_len, prefix_kv = (self._prefix_for([run.prompts[r] for r, _ in starting]) if self.prefix_cache
-                                         else (0, None))
-            cascade = prefix_kv is not None and supports_cascade(self.model)
-            with self._adapter_context(), shared_prefix(prefix_kv if cascade else None):
-                starting = self._decode_turns(run, starting, prefix_len, prefix_kv, cascade, temperature, top_p,
-                                              max_new_tokens)
+        routed = nullcontext()
+        if routes is not None:
+            from trace_lib.agent.row_lora import RoutedLora
+
+            run.route_of, run.labels = list(row_routes), [route_label(r) for r in routes]
+            routed = RoutedLora(self.model, routes)
+        with routed:
+            while starting:  # one batch per shared prefix
+                with self._routes_context(run):
+                    prefix_len, prefix_kv = (self._prefixes_for([run.prompts[r] for r, _ in starting], run)
+                                             if self.prefix_cache else (0, None))
+                cascade = prefix_kv is not None and supports_cascade(self.model)
+                with self._routes_context(run), shared_prefix(prefix_kv if cascade else None):
+                    starting = self._decode_turns(run, starting, prefix_len, prefix_kv, cascade, temperature, top_p,
+                                                  max_new_tokens)
         self.stats.calls += 1
         self.stats.prefill_seconds += run.prefill_seconds
         self.stats.decode_seconds += time.perf_counter() - t0 - run.prefill_seconds - run.callback_seconds
         return run.callback_seconds
 
-    def _join(self, run: _TurnRun, joining: list[tuple[int, bool | None]], prefix_len, prefix_kv, cascade, head,
-              max_new_tokens):
+    def _join(self, run: _TurnRun, joining: list[tuple[int, bool | None]], prefix_len, prefix_kv, cascade,
+              prefix_ids, max_new_tokens):
         """Prefill the joining rows' turns: (logits, cache, mask, their generators); counts their prompts."""
         t1 = time.perf_counter()
         rows = [r for r, _ in joining]
         new_prompts = [run.prompts[r] for r in rows]
-        logits, cache, mask, cached = self._start_rows(new_prompts, prefix_len, prefix_kv, cascade, head,
-                                                       [run.keys[r] for r in rows], max_new_tokens)
+        logits, cache, mask, cached = self._start_rows(
+            new_prompts, prefix_len, prefix_kv, cascade, [self._head(run, r, prefix_ids) for r in rows],
+            [run.keys[r] for r in rows], max_new_tokens, None if run.route_of is None else [run.route_of[r] for r in rows])
         self.stats.sequences += len(rows)
         self.stats.prompt_tokens += sum(len(p) for p in new_prompts)
         self.stats.cached_prompt_tokens += cached
@@ -417,10 +460,11 @@ class Policy:
     def _decode_turns(self, run: _TurnRun, starting, prefix_len, prefix_kv, cascade, temperature, top_p,
                       max_new_tokens) -> list[tuple[int, bool]]:
         """One batch of `play_turns` under one shared prefix; returns the turns that need another prefix."""
-        head = (self.adapter, tuple(run.prompts[starting[0][0]][:prefix_len]))
+        prefix_ids = tuple(run.prompts[starting[0][0]][:prefix_len])
         if run.processor is not None and starting[0][1] is not None:  # a later batch: its rows start afresh
             run.processor.clear_rows()
-        logits, cache, mask, gens = self._join(run, starting, prefix_len, prefix_kv, cascade, head, max_new_tokens)
+        logits, cache, mask, gens = self._join(run, starting, prefix_len, prefix_kv, cascade, prefix_ids,
+                                               max_new_tokens)
         rows = [r for r, _ in starting]  # batch position -> row
         outs: dict[int, list[int]] = {r: [] for r in rows}
         waiting: list[tuple[int, bool]] = []  # rows whose next turn is ready, and its tool-call flag
@@ -428,6 +472,7 @@ class Policy:
         positions = mask.sum(dim=-1)
         stop = torch.tensor(self.stop_ids, device=mask.device)
         generated = torch.empty(len(rows), 0, dtype=torch.long, device=mask.device)
+        routes = self._row_routes(run, rows, mask.device)
         while rows:
             if run.processor is not None:
                 logits = run.processor(generated, logits)
@@ -441,7 +486,8 @@ class Policy:
                     ended.append(j)
             for j in ended:
                 r = rows[j]
-                self._keep(run.keys[r], head, run.prompts[r], prefix_len, outs[r][:-1], cache, mask, j)
+                self._keep(run.keys[r], self._head(run, r, prefix_ids), run.prompts[r], prefix_len, outs[r][:-1],
+                           cache, mask, j)
                 self.stats.completion_tokens += len(outs[r])
                 c0 = time.perf_counter()
                 nxt = run.next_turn(r, outs.pop(r), "stop" if stopped[j] else "length")
@@ -452,7 +498,12 @@ class Policy:
                 run.prompts[r] = list(nxt.prompt)
                 if nxt.session is not None:
                     run.keys[r] = nxt.session
-                fits = len(nxt.prompt) > prefix_len and tuple(nxt.prompt[:prefix_len]) == head[1]
+                if nxt.route is not None:
+                    if run.route_of is None or nxt.session is None or not 0 <= nxt.route < len(run.labels):
+                        raise ValueError(f"NextTurn.route {nxt.route!r}: a new episode's route, an index into "
+                                         "play_turns' routes")
+                    run.route_of[r] = nxt.route
+                fits = len(nxt.prompt) > prefix_len and tuple(nxt.prompt[:prefix_len]) == prefix_ids
                 (waiting if fits else deferred).append((r, nxt.require_tool_call))
             if ended:
                 gone = set(ended)
@@ -464,11 +515,12 @@ class Policy:
                     run.processor.select_rows(keep)
                 if rows:
                     mask = select_rows(cache, mask, index, prefix_len if cascade else 0)
+                routes = self._row_routes(run, rows, mask.device)
             if rows:
-                logits, mask, positions = self._step(tok, mask, positions, cache, cascade)
+                logits, mask, positions = self._step(tok, mask, positions, cache, cascade, routes)
             if waiting and (not rows or len(waiting) >= JOIN_SHARE * len(rows)):
                 new_logits, new_cache_, new_mask, new_gens = self._join(run, waiting, prefix_len, prefix_kv, cascade,
-                                                                        head, max_new_tokens)
+                                                                        prefix_ids, max_new_tokens)
                 if rows:
                     cache, mask = append_rows(cache, mask, new_cache_, new_mask, max_new_tokens, prefix_len)
                     logits = torch.cat([logits, new_logits])
@@ -481,15 +533,17 @@ class Policy:
                 rows += [r for r, _ in waiting]
                 outs.update({r: [] for r, _ in waiting})
                 waiting = []
+                routes = self._row_routes(run, rows, mask.device)
         return deferred
 
     def _reusable(self, prompts: list[list[int]], prefix_len: int, sessions: Sequence[Hashable] | None,
-                  head: tuple[str | None, tuple[int, ...]]) -> list[_Session | None]:
-        """Per row, the kept session whose tokens the prompt repeats (at least one token left to compute)."""
+                  heads: Sequence[tuple[str | None, tuple[int, ...]]]) -> list[_Session | None]:
+        """Per row, the kept session whose tokens the prompt repeats (at least one token left to compute),
+        computed under the row's head (its adapter or route, and the shared prefix)."""
         if sessions is None:
             return [None] * len(prompts)
         out: list[_Session | None] = []
-        for key, prompt in zip(sessions, prompts):
+        for key, prompt, head in zip(sessions, prompts, heads):
             kept = self._sessions.get(key)
             if kept is None or kept.head != head:
                 out.append(None)
@@ -506,7 +560,7 @@ class Policy:
         while len(self._sessions) > MAX_SESSIONS:  # the oldest first
             self._sessions.pop(next(iter(self._sessions)))
 
-    def _with_stems(self, prompts, prefix_len, prefix_kv, cascade, head, reused):
+    def _with_stems(self, prompts, prefix_len, prefix_kv, cascade, heads, reused, routes=None):
         """`reused` extended by shared stems (see `shared_stems`), and the stem tokens computed for them.
 
         Each stem is the common stretch of its rows' prompts after the most their members have
@@ -519,10 +573,16 @@ class Policy:
         the widest row's new tokens times its longest history (padding), so rows are split into
         passes of similar shapes (`prefill_passes`). Without stems, rows do this only where it is
         cheaper than one padded pass over whole suffixes (`prefill_cost`).
+
+        Rows share a stem only with rows of the same head (`heads`: adapter or route, and prefix); `routes`
+        (per row, an index into `play_turns`' routes) are the rows' routes in a mixed-route batch.
         """
         n = len(prompts)
         kept = [0 if r is None else len(r.ids) for r in reused]
-        stems = shared_stems(prompts, [prefix_len + k for k in kept])
+        stems: list[tuple[list[int], int]] = []
+        for members in _same_head(heads):
+            found = shared_stems([prompts[i] for i in members], [prefix_len + kept[i] for i in members])
+            stems += [([members[j] for j in rows], end) for rows, end in found]
         shared = bool(stems)
         grouped = {i for rows, _ in stems for i in rows}
         stems += [([i], len(p) - 1) for i, p in enumerate(prompts)
@@ -544,9 +604,11 @@ class Policy:
         for part in passes:
             stem_prompts = [prompts[bases[j]][: stems[j][1]] for j in part]
             _, cache, mask = self._prefill(stem_prompts, prefix_len, prefix_kv, 0, cascade,
-                                           [reused[bases[j]] for j in part])
+                                           [reused[bases[j]] for j in part],
+                                           None if routes is None else [routes[bases[j]] for j in part])
             for slot, j in enumerate(part):
-                session = _row_session(head, stem_prompts[slot][prefix_len:], cache, mask, slot, prefix_len)
+                session = _row_session(heads[bases[j]], stem_prompts[slot][prefix_len:], cache, mask, slot,
+                                       prefix_len)
                 for i in stems[j][0]:
                     out[i] = session
         return out, sum(widths)
@@ -554,8 +616,8 @@ class Policy:
     def _decode(self, prompts, prefix_len, prefix_kv, cascade, temperature, top_p, max_new_tokens, seed,
                 processor, t0, sessions=None):
         head = (self.adapter, tuple(prompts[0][:prefix_len]))  # what kept sessions must have been computed under
-        logits, cache, mask, cached = self._start_rows(prompts, prefix_len, prefix_kv, cascade, head, sessions,
-                                                       max_new_tokens)
+        logits, cache, mask, cached = self._start_rows(prompts, prefix_len, prefix_kv, cascade, [head] * len(prompts),
+                                                       sessions, max_new_tokens)
         t1 = time.perf_counter()
 
         n = len(prompts)
@@ -604,30 +666,56 @@ class Policy:
         self.stats.decode_seconds += t2 - t1
         return outs, finish
 
-    def _step(self, tok, mask, positions, cache, cascade):
-        """Feed each row its sampled token: (the next logits, the mask and position ids one position on)."""
+    def _step(self, tok, mask, positions, cache, cascade, routes: RowRoutes | None = None):
+        """Feed each row its sampled token: (the next logits, the mask and position ids one position on).
+        `routes`: the rows' routes in a mixed-route batch."""
         mask = torch.cat([mask, mask.new_ones(len(tok), 1)], dim=1)
         govern_threads()
-        out = self.model(
-            input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
-            position_ids=positions[:, None], past_key_values=cache, use_cache=True,
-        )
+        with row_routes(routes):
+            out = self.model(
+                input_ids=tok[:, None], attention_mask=mask[:, None, None, :].bool() if cascade else mask,
+                position_ids=positions[:, None], past_key_values=cache, use_cache=True,
+            )
         return out.logits[:, -1, :].float(), mask, positions + 1
 
-    def _start_rows(self, prompts, prefix_len, prefix_kv, cascade, head, sessions, max_new_tokens):
+    def _start_rows(self, prompts, prefix_len, prefix_kv, cascade, heads, sessions, max_new_tokens, routes=None):
         """Prefill rows from their kept sessions and shared stems: (last-token logits, cache, mask, prompt
-        tokens not computed)."""
-        reused = self._reusable(prompts, prefix_len, sessions, head)
-        reused, stem_tokens = self._with_stems(prompts, prefix_len, prefix_kv, cascade, head, reused)
-        logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade, reused)
+        tokens not computed). `heads`: per row, what its kept sessions must have been computed under."""
+        reused = self._reusable(prompts, prefix_len, sessions, heads)
+        reused, stem_tokens = self._with_stems(prompts, prefix_len, prefix_kv, cascade, heads, reused, routes)
+        logits, cache, mask = self._prefill(prompts, prefix_len, prefix_kv, max_new_tokens, cascade, reused, routes)
         reused_tokens = sum(len(r.ids) for r in reused if r is not None)
         return logits, cache, mask, prefix_len * len(prompts) + reused_tokens - stem_tokens
 
-    def _prefix_for(self, prompts: list[list[int]]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
-        """The shared prefix (length, per-layer K/V of batch 1), reused across calls when it matches."""
+    def _prefixes_for(self, prompts: list[list[int]], run: _TurnRun
+                      ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """`_prefix_for` under the policy's adapter; with routes, the same prefix under every route, its K/V
+        stacked per layer (routes, kv_heads, P, dim) for `cascade_attention`."""
+        if run.route_of is None:
+            return self._prefix_for(prompts, self.adapter)
+        kvs = []
+        for k, label in enumerate(run.labels):
+            with row_routes(RowRoutes([k], self.device)):
+                if not kvs:
+                    prefix_len, kv = self._prefix_for(prompts, label, keep=len(run.labels) + 4)
+                    if kv is None:
+                        return 0, None
+                    ids = tuple(prompts[0][:prefix_len])
+                else:
+                    kv = self._prefix_kv(ids, label, keep=len(run.labels) + 4)
+            kvs.append(kv)
+        if len(kvs) == 1:
+            return prefix_len, kvs[0]
+        return prefix_len, [(torch.cat([kv[i][0] for kv in kvs]), torch.cat([kv[i][1] for kv in kvs]))
+                            for i in range(len(kvs[0]))]
+
+    def _prefix_for(self, prompts: list[list[int]], label: str | None, keep: int = 4
+                    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """The shared prefix (length, per-layer K/V of batch 1) computed under `label` (the adapter or route the
+        model runs now), reused across calls when it matches; at most `keep` prefixes are kept."""
         shortest = min(len(p) for p in prompts)
         for (adapter, ids), kv in self._prefixes.items():
-            if adapter == self.adapter and len(ids) < shortest and all(tuple(p[: len(ids)]) == ids for p in prompts):
+            if adapter == label and len(ids) < shortest and all(tuple(p[: len(ids)]) == ids for p in prompts):
                 return len(ids), kv
         # New prefix: the common tokens, cut after the first turn so it stays stable across turns,
         # and leaving every row at least one token to compute logits from.
@@ -637,21 +725,27 @@ class Policy:
             lcp = min(lcp, first.index(self._turn_end_id) + 1)
         if lcp < MIN_PREFIX_TOKENS:
             return 0, None
-        ids = tuple(first[:lcp])
+        return lcp, self._prefix_kv(tuple(first[:lcp]), label, keep)
+
+    def _prefix_kv(self, ids: tuple[int, ...], label: str | None, keep: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The per-layer K/V of the prefix `ids` under `label` (kept; computed by the model as it runs now)."""
+        if (label, ids) in self._prefixes:
+            return self._prefixes[(label, ids)]
         cache = DynamicCache()
         self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache, use_cache=True,
                    logits_to_keep=1)
         kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        if len(self._prefixes) >= 4:  # a handful of environments/adapters at a time
+        while len(self._prefixes) >= keep:  # a handful of environments/adapters at a time
             self._prefixes.pop(next(iter(self._prefixes)))
-        self._prefixes[(self.adapter, ids)] = kv
-        return lcp, kv
+        self._prefixes[(label, ids)] = kv
+        return kv
 
-    def _prefill(self, prompts, prefix_len, prefix_kv, max_new_tokens, cascade=False, reused=None):
+    def _prefill(self, prompts, prefix_len, prefix_kv, max_new_tokens, cascade=False, reused=None, routes=None):
         """Run the prompts' uncached parts; returns last-token logits, the cache and the 2D mask.
 
         Row layout along the sequence: [shared prefix | pad, reused session KV | pad, new tokens];
-        the mask is zero on the pads and position ids come from its cumsum.
+        the mask is zero on the pads and position ids come from its cumsum. `routes`: per row, its route in
+        a mixed-route batch (the prefix K/V then one per route).
         """
         n = len(prompts)
         reused = reused or [None] * n
@@ -667,13 +761,17 @@ class Policy:
             mask[i, start - k:start] = 1
             mask[i, start + width - len(s):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)  # built on the CPU, sent once
+        rows = None if routes is None else RowRoutes(list(routes), mask.device)
         if cascade:  # the prefix stays shared (kvcache.cascade_attention), rows hold their suffix only
             cache = new_cache(self.model, held + width + max_new_tokens, offset=prefix_len)
         else:
             cache = new_cache(self.model, start + width + max_new_tokens)
         if prefix_kv is not None and not cascade:
             for layer_idx, (k, v) in enumerate(prefix_kv):
-                cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer_idx)
+                if k.shape[0] > 1:  # one prefix per route: each row gets its route's
+                    cache.update(k.index_select(0, rows.index), v.index_select(0, rows.index), layer_idx)
+                else:
+                    cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer_idx)
         if held:
             for layer_idx, (k0, v0) in enumerate(next(r for r in reused if r is not None).kv):
                 ks = k0.new_zeros(n, k0.shape[0], held, k0.shape[-1])
@@ -684,10 +782,11 @@ class Policy:
                         vs[i, :, held - kept[i]:] = r.kv[layer_idx][1]
                 cache.update(ks, vs, layer_idx)
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)[:, start:]
-        out = self.model(
-            input_ids=ids, attention_mask=_causal_4d(mask, start) if cascade else mask, position_ids=positions,
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        )
+        with row_routes(rows):
+            out = self.model(
+                input_ids=ids, attention_mask=_causal_4d(mask, start) if cascade else mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )
         return out.logits[:, -1, :].float(), cache, mask
 
 
@@ -703,6 +802,14 @@ class _Session:
 
     def cut(self, n: int) -> _Session:
         return _Session(self.head, self.ids[:n], [(k[:, :n], v[:, :n]) for k, v in self.kv])
+
+
+def _same_head(heads: Sequence[Hashable]) -> list[list[int]]:
+    """Row indices grouped by equal head, groups in order of their first row."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, h in enumerate(heads):
+        groups.setdefault(h, []).append(i)
+    return list(groups.values())
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from trace_lib.agent.adapters import route_label
 from trace_lib.config import RolloutConfig
 from trace_lib.envs.base import Environment, EpisodeState
 from trace_lib.records import Message, Task, Trajectory
@@ -45,10 +46,12 @@ class _Episode:
     env: Environment
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    route: int = 0
+    """Index of the weights it runs under (`collect_routed_rollouts`); 0 otherwise."""
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.task.id, self.sample)
+    def key(self) -> tuple[str, int, int]:
+        return (self.task.id, self.sample, self.route)
 
     @property
     def state(self) -> EpisodeState:
@@ -145,17 +148,72 @@ def collect_rollouts(
     return sorted(done, key=lambda t: t.id), timing
 
 
-def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queue: list[tuple[Task, int]],
+def collect_routed_rollouts(
+    policy: Any,
+    env_factory: Callable[[], Environment],
+    jobs: Sequence[tuple[Task, Mapping[str, float]]],
+    cfg: RolloutConfig,
+    seed: int,
+    progress: bool = True,
+) -> tuple[list[list[Trajectory]], RolloutTiming]:
+    """Every job's task `cfg.samples_per_task` times under the job's weights ({adapter: α}; {} the base
+    model), all jobs in one continuously refilled batch whose rows run under different weights
+    (`Policy.play_turns` with routes, `agent.row_lora`); returns each job's trajectories (sorted by id) and
+    the timing. A trajectory's `adapter` and `policy_id` name its weights as `collect_rollouts` under
+    `routing.compose.apply_route` names them. Needs trace's own engine (`Policy.plays_turns`)."""
+    if not getattr(policy, "plays_turns", False):
+        raise ValueError("collect_routed_rollouts needs trace's own engine (Policy.play_turns)")
+    routes: list[dict[str, float]] = []
+    index: dict[str | None, int] = {}
+    job_route = []
+    for _, weights in jobs:
+        label = route_label(weights)
+        if label not in index:
+            index[label] = len(routes)
+            routes.append(dict(weights))
+        job_route.append(index[label])
+    labels = [route_label(r) for r in routes]
+    twice = sorted({(task.id, labels[k]) for (task, _), k in zip(jobs, job_route)
+                    if sum(1 for (t2, _), k2 in zip(jobs, job_route) if t2.id == task.id and k2 == k) > 1})
+    if twice:
+        raise ValueError(f"jobs repeat a task under the same weights: {twice[:3]}")
+    queue = [(task, s, k) for (task, _), k in zip(jobs, job_route) for s in range(cfg.samples_per_task)]
+    queue.reverse()
+    done: list[Trajectory] = []
+    timing = RolloutTiming(episodes=len(queue))
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(queue), desc="rollout", unit="episode", disable=not progress)
+    if queue:
+        ids = [policy.base_id if lab is None else f"{policy.base_id}+{lab}" for lab in labels]
+        _play_continuously(policy, env_factory, queue, cfg, seed, None, done, timing, bar,
+                           routes=routes, route_ids=list(zip(ids, labels)))
+    bar.close()
+    timing.seconds = time.perf_counter() - t0
+    by_route: dict[tuple[str | None, str], list[Trajectory]] = defaultdict(list)
+    for t in done:
+        by_route[(t.adapter, t.task_id)].append(t)
+    return [sorted(by_route[(labels[k], task.id)], key=lambda t: t.id) for (task, _), k in zip(jobs, job_route)], timing
+
+
+def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queue: list[tuple],
                        cfg: RolloutConfig, seed: int, adapter: str | None, done: list[Trajectory],
-                       timing: RolloutTiming, bar: Any) -> None:
-    """`collect_rollouts` through one `Policy.play_turns` call: the queue refills a slot when its episode ends."""
+                       timing: RolloutTiming, bar: Any, routes: list[dict[str, float]] | None = None,
+                       route_ids: list[tuple[str, str | None]] | None = None) -> None:
+    """`collect_rollouts` through one `Policy.play_turns` call: the queue refills a slot when its episode ends.
+    Queue items are (task, sample), or (task, sample, route) with `routes` (each route's (policy id,
+    adapter label) in `route_ids`)."""
     from trace_lib.agent.policy import NextTurn
 
     def start() -> _Episode:
-        task, sample = queue.pop()
+        task, sample, *route = queue.pop()
         env = env_factory()
         env.reset(task)
-        return _Episode(task, sample, env)
+        return _Episode(task, sample, env, route=route[0] if route else 0)
+
+    def finish(ep: _Episode) -> Trajectory:
+        if routes is None:
+            return _finish(ep, policy.policy_id, seed, adapter)
+        return _finish(ep, route_ids[ep.route][0], seed, route_ids[ep.route][1])
 
     slots = [start() for _ in range(min(cfg.batch_size, len(queue)))]
     tools = slots[0].env.tool_schemas()
@@ -173,20 +231,23 @@ def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queu
         timing.completion_tokens += gen.completion_tokens
         if not ep.env.step(_with_call_ids(gen.message, ep.state.steps)).done:
             return NextTurn(prompt(i), must_call(cfg.tool_choice, ep.env))
-        done.append(_finish(ep, policy.policy_id, seed, adapter))
+        done.append(finish(ep))
         policy.end_sessions([ep.key])
         bar.update(1)
         if not queue:
             return None
         slots[i] = start()
-        return NextTurn(prompt(i), must_call(cfg.tool_choice, slots[i].env), slots[i].key)
+        return NextTurn(prompt(i), must_call(cfg.tool_choice, slots[i].env), slots[i].key,
+                        None if routes is None else slots[i].route)
 
     processor = (policy.tool_processor(tools, len(slots), [must_call(cfg.tool_choice, ep.env) for ep in slots])
                  if cfg.constrained else None)
     g0 = time.perf_counter()
     stepping = policy.play_turns([prompt(i) for i in range(len(slots))], next_turn, temperature=cfg.temperature,
                                  top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003,
-                                 sessions=[ep.key for ep in slots], processor=processor)
+                                 sessions=[ep.key for ep in slots], processor=processor,
+                                 **({} if routes is None else {"routes": routes,
+                                                               "row_routes": [ep.route for ep in slots]}))
     timing.generate_seconds += time.perf_counter() - g0 - stepping  # the environments' turns are not generating
 
 

@@ -18,12 +18,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.rollout import collect_rollouts
+from trace_lib.agent.rollout import collect_rollouts, collect_routed_rollouts
 from trace_lib.config import EnvConfig, EvaluateConfig, RolloutConfig
 from trace_lib.envs import load_tasks, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.records import RouterName, Task, Trajectory
-from trace_lib.agent.adapters import active_weights, merge_label, sole_adapter
+from trace_lib.agent.adapters import active_weights, route_label
 from trace_lib.routing.compose import apply_route
 from trace_lib.routing.route import (
     RetrievalIndex,
@@ -94,13 +94,6 @@ def route_groups(tasks: Sequence[Task], routing: Routing) -> list[tuple[dict[str
     return list(groups.values())
 
 
-def weights_label(weights: Mapping[str, float]) -> str | None:
-    """The `adapter` a trajectory records: None (base), the adapter's name, or `merge_label`."""
-    if not weights:
-        return None
-    return sole_adapter(weights) or merge_label(weights)
-
-
 EpisodeMemo = dict[tuple, list[Trajectory]]
 """(env name, weights, task id) -> that task's trajectories: see `evaluate_policy`'s `memo`."""
 
@@ -131,7 +124,7 @@ def evaluate_policy(policy: Any, tasks: Sequence[Task], env_factory: Callable[[]
         if todo:
             with apply_route(policy, weights):
                 trajs, _ = collect_rollouts(policy, env_factory, todo, rollout_cfg, seed,
-                                            adapter=weights_label(weights), progress=progress)
+                                            adapter=route_label(weights), progress=progress)
             if memo is None:
                 out.extend(trajs)
             else:
@@ -140,6 +133,49 @@ def evaluate_policy(policy: Any, tasks: Sequence[Task], env_factory: Callable[[]
         if memo is not None:
             out.extend(x for t in group for x in memo[keys[t.id]])
     return sorted(out, key=lambda t: t.id)
+
+
+def routes_in_one_batch(policy: Any) -> str | None:
+    """None when `decode_into_memo` can decode episodes of different weights in one batch with this policy;
+    else why it decodes them weight by weight."""
+    if not getattr(policy, "plays_turns", False) or not hasattr(policy, "play_turns"):
+        return "the policy does not play turns (a server, or a model without a buffered cache)"
+    from trace_lib.agent.row_lora import supports_routes
+
+    return supports_routes(policy.model)
+
+
+def decode_into_memo(policy: Any, tasks: Sequence[Task], env_factory: Callable[[], Environment],
+                     rollout_cfg: RolloutConfig, seed: int, routings: Sequence[Routing], memo: EpisodeMemo,
+                     env_name: str = "", progress: bool = False) -> int:
+    """Decode now every episode that `evaluate_policy(..., memo=memo)` will need for `tasks` under each of
+    `routings`, all in one batch whose rows run under different weights (`collect_routed_rollouts`), and
+    store them in `memo`; returns the number of (weights, task) pairs decoded. The batch is refilled as
+    episodes end and turns start as others still decode (`Policy.play_turns`), whatever
+    `rollout.continuous_batching` says (which only chooses how one method's episodes are decoded).
+
+    A method's episodes are then the same computation as `evaluate_policy` decoding that method's tasks as a
+    batch of their own, up to float rounding (a row's numbers depend on the batch's shape in bf16), at the
+    cost of one batch: a decoding step on a CPU costs about the same for 16 rows as for 1. Nothing is
+    decoded (0) where the policy cannot (`routes_in_one_batch`); `evaluate_policy` then decodes method by
+    method."""
+    if rollout_cfg.temperature != 0:
+        raise ValueError("episodes can be shared between methods only at temperature 0")
+    if routes_in_one_batch(policy) is not None:
+        return 0
+    jobs: dict[tuple, tuple[Task, dict[str, float]]] = {}
+    for routing in routings:
+        for weights, group in route_groups(tasks, routing):
+            for task in group:
+                key = memo_key(env_name, weights, task.id)
+                if key not in memo:
+                    jobs.setdefault(key, (task, weights))
+    if not jobs:
+        return 0
+    per_job, _ = collect_routed_rollouts(policy, env_factory, list(jobs.values()), rollout_cfg, seed, progress)
+    for key, trajs in zip(jobs, per_job, strict=True):
+        memo[key] = trajs
+    return len(jobs)
 
 
 # --- routing ----------------------------------------------------------------------------------------

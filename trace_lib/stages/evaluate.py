@@ -27,7 +27,11 @@ Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis
     distilled      one student adapter distilled on-policy from the capability adapters (`train.distill`,
                    the paper's unified adapter) on every task; its budget is TRACE's plus its own
 
-Running a method is `trace_lib.evaluation.runner`; the tables are `trace_lib.evaluation.tables`.
+Running a method is `trace_lib.evaluation.runner`; the tables are `trace_lib.evaluation.tables`. Greedy
+episodes are shared between methods that send a task to the same weights; with `evaluate.decode_together`
+every method's are decoded in one batch whose rows run under different weights (`runner.decode_into_memo`,
+`agent.row_lora`) before the rows are assembled (GEPA's, under another system prompt, and the interference
+matrix's apart).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from trace_lib.evaluation.runner import (
     EpisodeMemo,
     Routing,
     eval_rollout_config,
+    decode_into_memo,
     eval_targets,
     evaluate_policy,
     interference_matrix,
@@ -130,12 +135,13 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
                                    progress, memo if prompts is None else None, ecfg.name)
         return out
 
+    specs: list[tuple] = []  # every method's row, run once all are known (their episodes decoded together)
+
     def add(method: str, key: str, label: str, reason: str | None = None, routing_for=None,
             budget_n: int | None = None, source: str = "", prompts: Mapping[str, str] | None = None) -> None:
         if reason is None and method not in wanted:
             reason = "not in evaluate.methods"
-        trajs = run(routing_for, prompts) if reason is None else None
-        runs.append(MethodRun(method, key, label, trajs, reason or "", budget_n, source))
+        specs.append((method, key, label, reason, routing_for, budget_n, source, prompts))
 
     add("base", "base", "base", routing_for=lambda e, ts: None, budget_n=0, source="no training")
     for name, label in (("grpo_target", "GRPO on target"), ("merged_data", "merged data (one adapter)")):
@@ -184,7 +190,6 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             candidates, index = _router_inputs(root, params, names, boxes, cfg)
             rc = cfg.model_copy(update={"batch_size": rcfg.batch_size})
             train_tasks, train_solved, knn = _train_side(root, params, names)
-            base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
             scored = [r for r in ROUTERS if r != "knn" or knn is not None]
             if knn is None:
                 routers["knn"] = {"note": "no score-stage labels of the train rollouts"}
@@ -196,16 +201,30 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             train = route_by(policy, train_tasks, candidates, rc, lambda: make_env(params.env), scored, index, knn)
             for r in scored:
                 decisions[f"router_{r}"] = test[r]
-                routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved),
-                              "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved)}
             decisions["trace_argmax"] = decisions.pop(f"router_{cfg.router}")
             decisions["trace_top_p"] = with_top_p(decisions["trace_argmax"], cfg.top_p)
-            quality = routers[cfg.router]["test"]
         for mode in ("argmax", "top_p"):
             key = f"trace_{mode}"
             off = None if cfg.route_mode in (mode, "both") else f"evaluate.route_mode is {cfg.route_mode!r}"
             add("trace", key, f"TRACE ({mode.replace('_', '-')})", no_caps or off,
                 lambda e, ts, k=key: decisions[k], **trace)
+        decoded_together = 0
+        if memo is not None and cfg.decode_together:  # every method's greedy episodes in one batch
+            plans = [routing_for for _, _, _, reason, routing_for, _, _, prompts in specs
+                     if reason is None and prompts is None]
+            for ecfg, ts in targets:
+                decoded_together += decode_into_memo(policy, ts, lambda e=ecfg: make_env(e), rcfg, cfg.seed,
+                                                     [f(ecfg, ts) for f in plans], memo, ecfg.name, progress)
+        for method, key, label, reason, routing_for, budget_n, source, prompts in specs:
+            trajs = run(routing_for, prompts) if reason is None else None
+            runs.append(MethodRun(method, key, label, trajs, reason or "", budget_n, source))
+        if "trace" in wanted and not no_caps:
+            base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
+            for r in scored:
+                ds = decisions[f"router_{r}"] if r != cfg.router else decisions["trace_argmax"]
+                routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved),
+                              "test": routing_quality(ds, tasks, names, cfg.seed, base_solved)}
+            quality = routers[cfg.router]["test"]
         if cfg.interference_seeds and boxes:
             interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
                                                progress)
@@ -215,6 +234,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
                                     "numerics": numerics(policy.device),
                                     **({"gepa": gepa_record} if gepa_record else {}),
                                     "episodes_decoded": None if memo is None else sum(map(len, memo.values())),
+                                    "episodes_decoded_together": decoded_together,
                                     "seconds": round(time.perf_counter() - t0, 1)})
     return metrics
 

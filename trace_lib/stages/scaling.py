@@ -23,7 +23,8 @@ Paper: the rollout-scaling figure (success vs rollouts for TRACE, GRPO on the ta
 ablation table. Budget points come from the adapters' snapshots (`trace_lib.evaluation.scaling`); a
 point routes each task as the evaluate stage's router did. Budget 0 is the base model and the last
 point is the evaluate stage's own TRACE row, so on the CPU default only the intermediate snapshots
-decode new episodes (greedy, shared through `evaluate_policy`'s memo).
+decode new episodes (greedy, shared through `evaluate_policy`'s memo; with `evaluate.decode_together`
+every point's in one batch whose rows run under different snapshots, `runner.decode_into_memo`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from trace_lib.config import Params, ScalingConfig
 from trace_lib.envs import make_env
 from trace_lib.evaluation import inputs
 from trace_lib.evaluation.runner import (
+    decode_into_memo,
     eval_rollout_config,
     eval_targets,
     evaluate_policy,
@@ -216,6 +218,11 @@ def _decode_points(params: Params, root: Path, folders: dict[str, Path], todo: l
     policy = None if len(decoded) == before else open_policy(
         params, Path(params.model.out_dir), {n: str(snapshots[n]) for n in sorted(needed)},
         threads=params.rollout.threads)
+    if memo is not None and policy is not None and ecfg.decode_together:  # every point's new episodes in one batch
+        for env_cfg, tasks in targets:
+            decode_into_memo(policy, tasks, lambda e=env_cfg: make_env(e), rcfg, ecfg.seed,
+                             [{t.id: routings[p["total"]].get(t.id, {}) for t in tasks} for p in todo], memo,
+                             env_cfg.name, progress)
     out = {}
     for p in todo:
         trajs: list[Trajectory] = []
