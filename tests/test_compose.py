@@ -298,3 +298,10 @@ def test_routed_lora_refuses_what_it_cannot_route(policy, ids):
             logits(policy.model, ids)
     with merged_adapters(policy.model, {"a": 0.5}):  # the merge's own path is untouched
         pass
+    # a forward another library set on a layer (a hook) is put back on exit
+    layer = next(m for m in policy.model.modules() if hasattr(m, "lora_A") and "a" in m.lora_A)
+    hook = layer.forward = lambda x, *a, **k: layer.base_layer(x)
+    with RoutedLora(policy.model, [{"a": 1.0}]):
+        assert layer.forward is not hook
+    assert layer.forward is hook
+    del layer.forward

@@ -191,6 +191,15 @@ def test_decode_into_memo_plays_every_method_in_one_batch_as_each_alone(policy, 
     memo2: dict = {}
     decode_into_memo(policy, tasks, KVEnv, cfg.model_copy(update={"batch_size": 3}), 0, routings, memo2)
     assert memo2 == memo
+    # two weightings whose merge labels agree (6 digits) are still two routes, each task once under each
+    from trace_lib.agent.rollout import collect_routed_rollouts
+
+    close = {"a": 0.5 + 1e-9, "b": 0.25}
+    per_job, _ = collect_routed_rollouts(policy, KVEnv, [(tasks[0], {"a": 0.5, "b": 0.25}), (tasks[0], close)],
+                                         cfg, 0, progress=False)
+    assert [len(j) for j in per_job] == [1, 1] and per_job[0][0].adapter == per_job[1][0].adapter
+    with pytest.raises(ValueError, match="jobs repeat task 'toy/read/0' under the same weights"):
+        collect_routed_rollouts(policy, KVEnv, [(tasks[0], {"a": 1.0}), (tasks[0], {"a": 1})], cfg, 0)
     # where one batch cannot mix weights, nothing is decoded ahead
     monkeypatch.setattr(type(policy), "plays_turns", property(lambda self: False))
     assert decode_into_memo(policy, tasks, KVEnv, cfg, 0, routings, {}) == 0

@@ -460,11 +460,10 @@ class EvaluateConfig(Section):
     decode_together: bool = False
     """Greedy evaluation with trace's own engine: decode every method's episodes (and the scaling stage's
     every budget point's) in one continuously refilled batch whose rows run under different weights
-    (`runner.decode_into_memo`, `agent.row_lora`), instead of one batch per method. Off by default: on
-    the CPU default's retail test split (98 episodes, ~4k-token histories) it took 612 s against 547 s
-    method by method, each decoding step being bound by reading its rows' histories, which more rows do not
-    share, and continuous batching copying the batch's KV buffers as turns end and start; with 7 tasks
-    per method it took 202 s against 291 s (benchmarks/README.md: evaluate_routes.py, 2026-11-28)."""
+    (`runner.decode_into_memo`, `agent.row_lora`), the routes interleaved, instead of one batch per method.
+    On the CPU default's retail test split (98 episodes) it took 460 s against 551 s method by method, the
+    same successes (benchmarks/README.md: evaluate_routes.py, 2026-11-28); the cpu profile turns it on.
+    Off elsewhere: not measured on a GPU."""
     methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))
     """Methods to run (others are reported as 'not run'): base, grpo_target, gepa, merged_data,
     linear_merge, single, oracle_route, trace."""
@@ -566,9 +565,11 @@ PROFILES: dict[str, dict[str, Any]] = {
         # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
         # router chosen on the train split (agreement with the task tags, 2026-11-25 run): calibrated 0.50,
         # knn 0.21, logits 0.00 (raw label logits sent every task to "none")
+        # every method's episodes in one batch, rows under different weights: 460 s against 551 s method by
+        # method on this split (2026-11-28, benchmarks/README.md: evaluate_routes.py)
         "evaluate": {"methods": ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
                                  "trace", "distilled"], "route_mode": "argmax", "interference_seeds": 2,
-                     "router": "calibrated"},
+                     "router": "calibrated", "decode_together": True},
         # budget points: TRACE at 0, 36, 44, 52 and 60 rollouts (the base model; communicate_result's
         # iteration-1 snapshot; both at iteration 1; communicate_result final; the final adapters), GRPO on
         # target at 0, 16, 32, 40, 48 and 56. A point decodes the tasks whose adapter is at a snapshot no

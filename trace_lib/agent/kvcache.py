@@ -60,6 +60,8 @@ class RowRoutes:
             gather += rows + [rows[0]] * (self.width - len(rows))
         self.gather = torch.tensor(gather, dtype=torch.long, device=device)
         self.slot = torch.tensor(slot, dtype=torch.long, device=device)
+        self.prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per layer, the shared prefixes of the routes present (picked once for these rows, not every step)."""
 
 
 _ROWS: ContextVar[RowRoutes | None] = ContextVar("trace_row_routes", default=None)
@@ -378,7 +380,7 @@ def _prefix_attention(query, pk, pv, scaling, few):
     return out_p, lse_p.reshape(hkv, b, rep, lq).transpose(0, 1).reshape(b, h, lq).float()
 
 
-def _routed_prefix_attention(query, pk, pv, rows: RowRoutes, scaling, few):
+def _routed_prefix_attention(query, pk, pv, rows: RowRoutes, scaling, few, layer_idx: int = 0):
     """`_prefix_attention` where each route has its own prefix (pk, pv: (routes, kv_heads, P, dim)): the rows
     laid out route by route (`RowRoutes.gather`), one batched product over the routes present, the rows picked
     back (`RowRoutes.slot`). One product instead of one per route: at 7 routes, looping cost ~0.4 ms a route
@@ -387,7 +389,9 @@ def _routed_prefix_attention(query, pk, pv, rows: RowRoutes, scaling, few):
     hkv = pk.shape[1]
     rep, m = h // hkv, rows.width
     if len(rows.present) < pk.shape[0]:
-        pk, pv = pk.index_select(0, rows.present_index), pv.index_select(0, rows.present_index)
+        if layer_idx not in rows.prefixes:
+            rows.prefixes[layer_idx] = pk.index_select(0, rows.present_index), pv.index_select(0, rows.present_index)
+        pk, pv = rows.prefixes[layer_idx]
     g = pk.shape[0]
     qg = query.reshape(b, hkv, rep * lq, d).index_select(0, rows.gather)
     qg = qg.reshape(g, m, hkv, rep * lq, d).transpose(1, 2).reshape(g, hkv, m * rep * lq, d)
@@ -414,7 +418,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         if rows is None or len(rows.routes) != b:
             raise ValueError(f"{pk.shape[0]} shared prefixes (one per route) need the routes of the {b} rows "
                              "(kvcache.row_routes)")
-        out_p, lse_p = _routed_prefix_attention(query, pk, pv, rows, scaling, few)
+        out_p, lse_p = _routed_prefix_attention(query, pk, pv, rows, scaling, few, module.layer_idx)
     mask = None if attention_mask is None else attention_mask[..., plen:]
     filled = getattr(key, FILLED, key.shape[-2])  # a BufferedLayer's whole buffer is longer than its filled part
     if mask is not None and mask.shape[-1] != filled:

@@ -30,9 +30,10 @@ chosen adapter or none).
 * continuous batching across turns (`play_turns`, GRPO's sampling): a row whose turn ended starts its
   next one (its environment reply prefilled from its session) and joins the batch still decoding
   (`kvcache.append_rows`), instead of every turn waiting for the call's longest row.
-* rows under different weights in one batch (`play_turns(routes=...)`, the evaluate and scaling stages):
-  each row runs under its own route (the base model, one adapter or a merge; `row_lora`), with one shared
-  prefix per route, so Table 1's methods decode as one batch instead of one batch each.
+* rows under different weights in one batch (`play_turns(routes=...)`; the evaluate and scaling stages
+  with `evaluate.decode_together`): each row runs under its own route (the base model, one adapter or a
+  merge; `row_lora`), with one shared prefix per route, so Table 1's methods can decode as one batch
+  instead of one batch each.
 
 Sampling draws from one `torch.Generator` per row seeded by (seed, row) (in `play_turns`, per turn),
 so a row's tokens do not depend on which other rows share its batch; temperature 0 is greedy.
@@ -53,7 +54,7 @@ from transformers.cache_utils import DynamicCache
 
 from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
-from trace_lib.agent.adapters import route_label
+from trace_lib.agent.adapters import active_weights, route_label
 from trace_lib.agent.kvcache import (CASCADE, RowRoutes, append_rows, buffered, new_cache, row_routes, select_rows,
                                      shared_prefix, supports_cascade)
 from trace_lib.agent.threads import govern_threads, set_threads
@@ -394,8 +395,9 @@ class Policy:
 
         `routes` ({adapter: α} each; {} the base model) with `row_routes` (per row, an index into them):
         each row runs under its own route in the same batch (`agent.row_lora`), its episodes' later
-        `NextTurn`s naming the new episode's route. Each route has its own shared prefix and sessions. Without
-        them every row runs under the policy's adapter.
+        `NextTurn`s naming the new episode's route (a `NextTurn` with a new session and no route keeps the
+        row's route). Each route has its own shared prefix and sessions. Without them every row runs under the
+        policy's adapter.
         """
         if len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} session keys for {len(prompts)} prompts")
@@ -421,7 +423,7 @@ class Policy:
         if routes is not None:
             from trace_lib.agent.row_lora import RoutedLora
 
-            run.route_of, run.labels = list(row_routes), [route_label(r) for r in routes]
+            run.route_of, run.labels = list(row_routes), _route_labels(routes)
             routed = RoutedLora(self.model, routes)
         with routed:
             while starting:  # one batch per shared prefix
@@ -499,9 +501,15 @@ class Policy:
                 if nxt.session is not None:
                     run.keys[r] = nxt.session
                 if nxt.route is not None:
-                    if run.route_of is None or nxt.session is None or not 0 <= nxt.route < len(run.labels):
-                        raise ValueError(f"NextTurn.route {nxt.route!r}: a new episode's route, an index into "
-                                         "play_turns' routes")
+                    if run.route_of is None:
+                        raise ValueError(f"NextTurn.route {nxt.route!r} without routes: pass play_turns routes= "
+                                         "and row_routes=")
+                    if nxt.session is None:
+                        raise ValueError(f"NextTurn.route {nxt.route!r} without a new session: a route changes "
+                                         "only with a new episode")
+                    if not 0 <= nxt.route < len(run.labels):
+                        raise ValueError(f"NextTurn.route {nxt.route!r} is not an index into the "
+                                         f"{len(run.labels)} routes")
                     run.route_of[r] = nxt.route
                 fits = len(nxt.prompt) > prefix_len and tuple(nxt.prompt[:prefix_len]) == prefix_ids
                 (waiting if fits else deferred).append((r, nxt.require_tool_call))
@@ -802,6 +810,18 @@ class _Session:
 
     def cut(self, n: int) -> _Session:
         return _Session(self.head, self.ids[:n], [(k[:, :n], v[:, :n]) for k, v in self.kv])
+
+
+def _route_labels(routes: Sequence[Mapping[str, float]]) -> list[str | None]:
+    """Each route's name in session heads and prefix keys: `route_label`, made unique where two different
+    weightings share one (a merge label keeps 6 significant digits)."""
+    labels: list[str | None] = []
+    for k, r in enumerate(routes):
+        label = route_label(r)
+        clash = any(label == route_label(other) and dict(active_weights(dict(other))) != dict(active_weights(dict(r)))
+                    for other in routes[:k])
+        labels.append(f"{label}#{k}" if clash else label)
+    return labels
 
 
 def _same_head(heads: Sequence[Hashable]) -> list[list[int]]:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from trace_lib.agent.adapters import route_label
+from trace_lib.agent.adapters import active_weights, route_label
 from trace_lib.config import RolloutConfig
 from trace_lib.envs.base import Environment, EpisodeState
 from trace_lib.records import Message, Task, Trajectory
@@ -164,44 +164,53 @@ def collect_routed_rollouts(
     if not getattr(policy, "plays_turns", False):
         raise ValueError("collect_routed_rollouts needs trace's own engine (Policy.play_turns)")
     routes: list[dict[str, float]] = []
-    index: dict[str | None, int] = {}
+    index: dict[tuple, int] = {}  # by the weights themselves: two merges may share a label (6 digits)
     job_route = []
     for _, weights in jobs:
-        label = route_label(weights)
-        if label not in index:
-            index[label] = len(routes)
-            routes.append(dict(weights))
-        job_route.append(index[label])
+        key = tuple(active_weights(dict(sorted(weights.items()))).items())
+        if key not in index:
+            index[key] = len(routes)
+            routes.append(dict(key))
+        job_route.append(index[key])
     labels = [route_label(r) for r in routes]
-    twice = sorted({(task.id, labels[k]) for (task, _), k in zip(jobs, job_route)
-                    if sum(1 for (t2, _), k2 in zip(jobs, job_route) if t2.id == task.id and k2 == k) > 1})
-    if twice:
-        raise ValueError(f"jobs repeat a task under the same weights: {twice[:3]}")
-    queue = [(task, s, k) for (task, _), k in zip(jobs, job_route) for s in range(cfg.samples_per_task)]
+    seen: set[tuple[str, int]] = set()
+    for (task, _), k in zip(jobs, job_route):
+        if (task.id, k) in seen:
+            raise ValueError(f"jobs repeat task {task.id!r} under the same weights {routes[k]}")
+        seen.add((task.id, k))
+    # the routes' episodes interleaved (round robin over the routes, each in its jobs' order), so that a batch
+    # holds rows of every route in about equal numbers rather than one route's tasks after another's
+    per_route: dict[int, list[tuple[Task, int, int]]] = defaultdict(list)
+    for (task, _), k in zip(jobs, job_route):
+        per_route[k] += [(task, s, k) for s in range(cfg.samples_per_task)]
+    queue = [item for rank in range(max((len(v) for v in per_route.values()), default=0))
+             for k in sorted(per_route) if rank < len(per_route[k]) for item in [per_route[k][rank]]]
     queue.reverse()
     done: list[Trajectory] = []
+    done_routes: list[int] = []
     timing = RolloutTiming(episodes=len(queue))
     t0 = time.perf_counter()
     bar = tqdm(total=len(queue), desc="rollout", unit="episode", disable=not progress)
     if queue:
         ids = [policy.base_id if lab is None else f"{policy.base_id}+{lab}" for lab in labels]
         _play_continuously(policy, env_factory, queue, cfg, seed, None, done, timing, bar,
-                           routes=routes, route_ids=list(zip(ids, labels)))
+                           routes=routes, route_ids=list(zip(ids, labels)), done_routes=done_routes)
     bar.close()
     timing.seconds = time.perf_counter() - t0
-    by_route: dict[tuple[str | None, str], list[Trajectory]] = defaultdict(list)
-    for t in done:
-        by_route[(t.adapter, t.task_id)].append(t)
-    return [sorted(by_route[(labels[k], task.id)], key=lambda t: t.id) for (task, _), k in zip(jobs, job_route)], timing
+    by_route: dict[tuple[int, str], list[Trajectory]] = defaultdict(list)
+    for t, k in zip(done, done_routes, strict=True):
+        by_route[(k, t.task_id)].append(t)
+    return [sorted(by_route[(k, task.id)], key=lambda t: t.id) for (task, _), k in zip(jobs, job_route)], timing
 
 
 def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queue: list[tuple],
                        cfg: RolloutConfig, seed: int, adapter: str | None, done: list[Trajectory],
                        timing: RolloutTiming, bar: Any, routes: list[dict[str, float]] | None = None,
-                       route_ids: list[tuple[str, str | None]] | None = None) -> None:
+                       route_ids: list[tuple[str, str | None]] | None = None,
+                       done_routes: list[int] | None = None) -> None:
     """`collect_rollouts` through one `Policy.play_turns` call: the queue refills a slot when its episode ends.
     Queue items are (task, sample), or (task, sample, route) with `routes` (each route's (policy id,
-    adapter label) in `route_ids`)."""
+    adapter label) in `route_ids`; each finished episode's route appended to `done_routes`)."""
     from trace_lib.agent.policy import NextTurn
 
     def start() -> _Episode:
@@ -213,6 +222,7 @@ def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queu
     def finish(ep: _Episode) -> Trajectory:
         if routes is None:
             return _finish(ep, policy.policy_id, seed, adapter)
+        done_routes.append(ep.route)
         return _finish(ep, route_ids[ep.route][0], seed, route_ids[ep.route][1])
 
     slots = [start() for _ in range(min(cfg.batch_size, len(queue)))]

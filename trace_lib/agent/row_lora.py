@@ -79,7 +79,7 @@ class RoutedLora:
                     continue
                 a = torch.cat([layer.lora_A[n].weight for n in present])  # (Σ r, in)
                 b = torch.cat([layer.lora_B[n].weight for n in present], dim=1)  # (out, Σ r)
-                scale = a.new_zeros(len(self.routes), a.shape[0])
+                scale = torch.zeros(len(self.routes), a.shape[0], dtype=a.dtype)  # built on the CPU, sent once
                 start = 0
                 for n in present:
                     r = layer.lora_A[n].weight.shape[0]
@@ -87,16 +87,20 @@ class RoutedLora:
                         scale[k, start:start + r] = route.get(n, 0.0) * layer.scaling[n]
                     start += r
                 used = frozenset(k for k in range(len(self.routes)) if bool(scale[k].any()))
-                self._plan.append((layer, (a, b, scale, used)))
+                self._plan.append((layer, (a, b, scale.to(a.device), used)))
 
     def __enter__(self) -> RoutedLora:
+        self._saved = [layer.__dict__.get("forward") for layer, _ in self._plan]  # e.g. another library's hook
         for layer, parts in self._plan:
             layer.forward = _routed_forward(layer, parts)  # an instance attribute shadows the class's forward
         return self
 
     def __exit__(self, *exc) -> bool:
-        for layer, _ in self._plan:
-            layer.__dict__.pop("forward", None)
+        for (layer, _), saved in zip(self._plan, self._saved):
+            if saved is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = saved
         return False
 
 

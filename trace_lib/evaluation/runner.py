@@ -14,6 +14,7 @@ only by their weights and the paired tests compare like with like.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from trace_lib.routing.route import (
     task_opening,
 )
 from trace_lib.routing.routers import KnnRouter, calibrated_decisions, knn_decisions
+
+log = logging.getLogger(__name__)
 
 INTERFERENCE_SEED0 = 1_000_000
 """Synthetic-env seeds of the interference matrix start here: never a validation seed (0..n_seeds) nor
@@ -161,7 +164,9 @@ def decode_into_memo(policy: Any, tasks: Sequence[Task], env_factory: Callable[[
     method."""
     if rollout_cfg.temperature != 0:
         raise ValueError("episodes can be shared between methods only at temperature 0")
-    if routes_in_one_batch(policy) is not None:
+    why = routes_in_one_batch(policy)
+    if why is not None:
+        log.info("methods decoded one by one, not in one batch: %s", why)
         return 0
     jobs: dict[tuple, tuple[Task, dict[str, float]]] = {}
     for routing in routings:

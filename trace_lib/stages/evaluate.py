@@ -29,9 +29,9 @@ Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis
 
 Running a method is `trace_lib.evaluation.runner`; the tables are `trace_lib.evaluation.tables`. Greedy
 episodes are shared between methods that send a task to the same weights; with `evaluate.decode_together`
-every method's are decoded in one batch whose rows run under different weights (`runner.decode_into_memo`,
-`agent.row_lora`) before the rows are assembled (GEPA's, under another system prompt, and the interference
-matrix's apart).
+(on in the cpu profile) every method's are decoded in one batch whose rows run under different weights
+(`runner.decode_into_memo`, `agent.row_lora`) before the rows are assembled (GEPA's, under another system
+prompt, and the interference matrix's apart).
 """
 
 from __future__ import annotations
