@@ -14,7 +14,7 @@ over repeats:
 The adapters are the CPU default's shapes (LoRA r8, alpha 16, the 7 projections) with random weights
 (`--scale`: the standard deviation of B, so that they move the model about as much as trained ones do), saved
 to a temporary folder: no trained adapters are needed. The routes are fixed from the tasks' capability tags
-(oracle: a tagged task to its first capability's adapter; router: the same with every third task sent to
+(oracle: a tagged task to an adapter chosen by its first tag; router: the same, every third task sent to
 "none"), so both arms decode exactly the same (weights, task) pairs.
 
     python benchmarks/evaluate_routes.py [--params params.yaml] [--tasks-per-family 2] [--batch-sizes 16,32] \
@@ -39,7 +39,7 @@ CAPS = ("cap_a", "cap_b")
 BASELINES = ("grpo_target", "merged_data", "distilled")
 
 
-def save_adapters(model_dir: Path, out: Path, scale: float, dtype: str) -> dict[str, str]:
+def save_adapters(model_dir: Path, out: Path, scale: float) -> dict[str, str]:
     """Random LoRA adapters in the train stage's shapes, one per capability and baseline."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -64,8 +64,7 @@ def method_routings(tasks) -> dict[str, object]:
     tags = sorted({c for t in tasks for c in t.capability_tags})
     oracle = {t.id: {CAPS[tags.index(t.capability_tags[0]) % len(CAPS)]: 1.0} if t.capability_tags else {}
               for t in tasks}
-    router = {t.id: {} if i % 3 == 2 else next(iter([oracle[t.id]] if oracle[t.id] else [{CAPS[0]: 1.0}]))
-              for i, t in enumerate(tasks)}
+    router = {t.id: {} if i % 3 == 2 else (oracle[t.id] or {CAPS[0]: 1.0}) for i, t in enumerate(tasks)}
     return {"base": None, "grpo_target": "grpo_target", "merged_data": "merged_data",
             "linear_merge": {c: 1 / len(CAPS) for c in CAPS}, **{f"single_{c}": c for c in CAPS},
             "oracle_route": oracle, "trace": router, "distilled": "distilled"}
@@ -81,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     params = load_params(args.params, {"env.tasks_per_family": args.tasks_per_family} if args.tasks_per_family else None)
     model_dir = Path(params.model.out_dir)
-    folders = save_adapters(model_dir, Path(tempfile.mkdtemp(prefix="eval_routes_")), args.scale, params.model.dtype)
+    folders = save_adapters(model_dir, Path(tempfile.mkdtemp(prefix="eval_routes_")), args.scale)
     policy = load_policy(model_dir, dtype=params.model.dtype, adapters=folders, tool_format=params.model.tool_format,
                          threads=params.rollout.threads)
     tasks = make_tasks(params.env, params.evaluate.split)
