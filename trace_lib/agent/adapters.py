@@ -34,11 +34,23 @@ def merge_label(weights: Mapping[str, float]) -> str:
     return "merge[" + ",".join(f"{n}={float(w):.6g}" for n, w in sorted(weights.items())) + "]"
 
 
+def canonical_weights(weights: Mapping[str, float]) -> dict[str, float]:
+    """A route's weights in one form: nonzero, as floats, sorted by adapter name (equal routes, equal dicts)."""
+    return active_weights(dict(sorted(weights.items())))
+
+
 def route_label(weights: Mapping[str, float]) -> str | None:
     """What a route's trajectories and caches call it: None (the base model), the adapter's name (one
     adapter at α = 1), or `merge_label` (any other weights)."""
-    weights = active_weights(dict(sorted(weights.items())))
+    weights = canonical_weights(weights)
     return (sole_adapter(weights) or merge_label(weights)) if weights else None
+
+
+def lora_layers(model: Any) -> list[Any]:
+    """The PEFT LoRA layers of `model` (none without PEFT adapters loaded)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -54,7 +54,7 @@ from transformers.cache_utils import DynamicCache
 
 from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
-from trace_lib.agent.adapters import active_weights, route_label
+from trace_lib.agent.adapters import canonical_weights, route_label
 from trace_lib.agent.kvcache import (CASCADE, RowRoutes, append_rows, buffered, new_cache, row_routes, select_rows,
                                      shared_prefix, supports_cascade)
 from trace_lib.agent.threads import govern_threads, set_threads
@@ -701,17 +701,15 @@ class Policy:
         stacked per layer (routes, kv_heads, P, dim) for `cascade_attention`."""
         if run.route_of is None:
             return self._prefix_for(prompts, self.adapter)
-        kvs = []
-        for k, label in enumerate(run.labels):
+        keep = len(run.labels) + 4  # every route's prefix, and a few other environments' or adapters'
+        with row_routes(RowRoutes([0], self.device)):  # the first route finds the prefix's length
+            prefix_len, kv = self._prefix_for(prompts, run.labels[0], keep)
+        if kv is None:
+            return 0, None
+        ids, kvs = tuple(prompts[0][:prefix_len]), [kv]
+        for k, label in enumerate(run.labels[1:], start=1):
             with row_routes(RowRoutes([k], self.device)):
-                if not kvs:
-                    prefix_len, kv = self._prefix_for(prompts, label, keep=len(run.labels) + 4)
-                    if kv is None:
-                        return 0, None
-                    ids = tuple(prompts[0][:prefix_len])
-                else:
-                    kv = self._prefix_kv(ids, label, keep=len(run.labels) + 4)
-            kvs.append(kv)
+                kvs.append(self._prefix_kv(ids, label, keep))
         if len(kvs) == 1:
             return prefix_len, kvs[0]
         return prefix_len, [(torch.cat([kv[i][0] for kv in kvs]), torch.cat([kv[i][1] for kv in kvs]))
@@ -818,7 +816,7 @@ def _route_labels(routes: Sequence[Mapping[str, float]]) -> list[str | None]:
     labels: list[str | None] = []
     for k, r in enumerate(routes):
         label = route_label(r)
-        clash = any(label == route_label(other) and dict(active_weights(dict(other))) != dict(active_weights(dict(r)))
+        clash = any(label == route_label(other) and canonical_weights(other) != canonical_weights(r)
                     for other in routes[:k])
         labels.append(f"{label}#{k}" if clash else label)
     return labels

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from trace_lib.agent.adapters import active_weights, route_label
+from trace_lib.agent.adapters import canonical_weights, route_label
 from trace_lib.config import RolloutConfig
 from trace_lib.envs.base import Environment, EpisodeState
 from trace_lib.records import Message, Task, Trajectory
@@ -167,7 +167,7 @@ def collect_routed_rollouts(
     index: dict[tuple, int] = {}  # by the weights themselves: two merges may share a label (6 digits)
     job_route = []
     for _, weights in jobs:
-        key = tuple(active_weights(dict(sorted(weights.items()))).items())
+        key = tuple(canonical_weights(weights).items())
         if key not in index:
             index[key] = len(routes)
             routes.append(dict(key))

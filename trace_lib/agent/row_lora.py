@@ -26,23 +26,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trace_lib.agent.adapters import active_weights
+from trace_lib.agent.adapters import active_weights, lora_layers
 from trace_lib.agent.kvcache import current_row_routes
 
 __all__ = ["RoutedLora", "supports_routes"]
-
-
-def _lora_layers(model: Any) -> list[Any]:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
 def supports_routes(model: Any) -> str | None:
     """None when every LoRA layer of `model` is a plain linear LoRA (routes per row work); else why not."""
     from peft.tuners.lora import Linear
 
-    for layer in _lora_layers(model):
+    for layer in lora_layers(model):
         if not isinstance(layer, Linear):
             return f"{type(layer).__name__} LoRA layers (only linear layers route per row)"
         if getattr(layer, "lora_variant", None):
@@ -72,7 +66,7 @@ class RoutedLora:
         names = sorted({n for r in self.routes for n in r})
         self._plan: list[tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor, frozenset[int]] | None]] = []
         with torch.no_grad():
-            for layer in _lora_layers(model):
+            for layer in lora_layers(model):
                 present = [n for n in names if n in layer.lora_A]
                 if not present:
                     self._plan.append((layer, None))

@@ -24,7 +24,7 @@ from trace_lib.config import EnvConfig, EvaluateConfig, RolloutConfig
 from trace_lib.envs import load_tasks, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.records import RouterName, Task, Trajectory
-from trace_lib.agent.adapters import active_weights, route_label
+from trace_lib.agent.adapters import canonical_weights, route_label
 from trace_lib.routing.compose import apply_route
 from trace_lib.routing.route import (
     RetrievalIndex,
@@ -72,10 +72,6 @@ def eval_targets(env: EnvConfig, cfg: EvaluateConfig, root: Path) -> list[tuple[
 Routing = None | str | Mapping[str, Any] | Sequence[RouteDecision]
 
 
-def _clean(weights: Mapping[str, float]) -> dict[str, float]:
-    return active_weights(dict(sorted(weights.items())))
-
-
 def route_groups(tasks: Sequence[Task], routing: Routing) -> list[tuple[dict[str, float], list[Task]]]:
     """Tasks grouped by the weights they run under, groups in order of first appearance.
 
@@ -85,14 +81,14 @@ def route_groups(tasks: Sequence[Task], routing: Routing) -> list[tuple[dict[str
     if routing is None or isinstance(routing, str):
         return [({} if routing is None else {routing: 1.0}, list(tasks))] if tasks else []
     if isinstance(routing, Mapping) and all(isinstance(v, int | float) for v in routing.values()):
-        return [(_clean(routing), list(tasks))] if tasks else []
+        return [(canonical_weights(routing), list(tasks))] if tasks else []
     per_task = dict(routing) if isinstance(routing, Mapping) else {d.task_id: d for d in routing}
     groups: dict[tuple, tuple[dict[str, float], list[Task]]] = {}
     for task in tasks:
         if task.id not in per_task:
             raise ValueError(f"no routing decision for task {task.id!r}")
         w = per_task[task.id]
-        w = _clean(getattr(w, "weights", w))
+        w = canonical_weights(getattr(w, "weights", w))
         groups.setdefault(tuple(w.items()), (w, []))[1].append(task)
     return list(groups.values())
 
@@ -104,7 +100,7 @@ EpisodeMemo = dict[tuple, list[Trajectory]]
 def memo_key(env: str, weights: Mapping[str, float], task_id: str) -> tuple:
     """The `EpisodeMemo` key of a task under `weights`, normalised as `route_groups` normalises them
     (sorted by adapter, nonzero, float): the one key `evaluate_policy` and the scaling stage share."""
-    return env, tuple(_clean(weights).items()), task_id
+    return env, tuple(canonical_weights(weights).items()), task_id
 
 
 def evaluate_policy(policy: Any, tasks: Sequence[Task], env_factory: Callable[[], Environment],

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from trace_lib.agent.adapters import active_weights, merge_label, sole_adapter
+from trace_lib.agent.adapters import active_weights, lora_layers, merge_label, sole_adapter
 
 __all__ = ["apply_route", "is_merged", "merge_label", "merged_adapters", "use_adapter", "use_weights"]
 
@@ -48,12 +48,6 @@ _MERGED = "_trace_merged"
 def is_merged(model: Any) -> bool:
     """Whether `model`'s base weights currently hold a merge (inside `merged_adapters`)."""
     return bool(getattr(model, _MERGED, False))
-
-
-def _lora_layers(model: Any) -> list[Any]:
-    from peft.tuners.lora import LoraLayer
-
-    return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
 def _has_adapter(layer: Any, name: str) -> bool:
@@ -71,7 +65,7 @@ def merged_adapters(model: Any, weights: Mapping[str, float]) -> Iterator[Any]:
     if unknown:
         raise ValueError(f"unknown adapter(s) {unknown}; loaded: {sorted(model.peft_config)}")
     active = {n: float(a) for n, a in weights.items() if float(a) != 0.0}
-    layers = _lora_layers(model)
+    layers = lora_layers(model)
     plan = []  # (layer, adapters present in it), checked before any weight is touched
     for layer in layers:
         names = [n for n in active if _has_adapter(layer, n)]

@@ -54,8 +54,8 @@ from trace_lib.evaluation.runner import (
     INTERFERENCE_SEED0,
     EpisodeMemo,
     Routing,
-    eval_rollout_config,
     decode_into_memo,
+    eval_rollout_config,
     eval_targets,
     evaluate_policy,
     interference_matrix,
@@ -221,9 +221,8 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         if "trace" in wanted and not no_caps:
             base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
             for r in scored:
-                ds = decisions[f"router_{r}"] if r != cfg.router else decisions["trace_argmax"]
                 routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved),
-                              "test": routing_quality(ds, tasks, names, cfg.seed, base_solved)}
+                              "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved)}
             quality = routers[cfg.router]["test"]
         if cfg.interference_seeds and boxes:
             interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
