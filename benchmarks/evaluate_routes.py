@@ -18,7 +18,11 @@ to a temporary folder: no trained adapters are needed. The routes are fixed from
 "none"), so both arms decode exactly the same (weights, task) pairs.
 
     python benchmarks/evaluate_routes.py [--params params.yaml] [--tasks-per-family 2] [--batch-sizes 16,32] \
-        [--repeats 1] [--scale 0.002]
+        [--repeats 1] [--scale 0.002] [--model-dir DIR [--random-init]]
+
+`--model-dir` replaces the params' model folder; `--random-init` gives the model in it random weights of its
+config's shape (seeded; where only its config and tokenizer can travel, e.g. to a GPU machine: the timing
+of the two arms, not what the episodes say).
 """
 
 from __future__ import annotations
@@ -59,6 +63,20 @@ def save_adapters(model_dir: Path, out: Path, scale: float) -> dict[str, str]:
     return folders
 
 
+def random_model(model_dir: Path, out: Path) -> Path:
+    """A copy of `model_dir`'s config and tokenizer with seeded random weights of that shape, saved in `out`."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).save_pretrained(out)
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def method_routings(tasks) -> dict[str, object]:
     """Table 1's methods as routings over `tasks` (see the module docstring)."""
     tags = sorted({c for t in tasks for c in t.capability_tags})
@@ -77,9 +95,14 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="16", help="the together arm's batch sizes (per-method: the params')")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--scale", type=float, default=0.002, help="standard deviation of the adapters' B matrices")
+    ap.add_argument("--arms", default="per-method,together", help="which arms run (e.g. together, under a profiler)")
+    ap.add_argument("--model-dir", default=None, help="the model folder (default: the params' model.out_dir)")
+    ap.add_argument("--random-init", action="store_true", help="random weights of the folder's config's shape")
     args = ap.parse_args()
     params = load_params(args.params, {"env.tasks_per_family": args.tasks_per_family} if args.tasks_per_family else None)
-    model_dir = Path(params.model.out_dir)
+    model_dir = Path(args.model_dir or params.model.out_dir)
+    if args.random_init:
+        model_dir = random_model(model_dir, Path(tempfile.mkdtemp(prefix="eval_routes_model_")))
     folders = save_adapters(model_dir, Path(tempfile.mkdtemp(prefix="eval_routes_")), args.scale)
     policy = load_policy(model_dir, dtype=params.model.dtype, adapters=folders, tool_format=params.model.tool_format,
                          threads=params.rollout.threads)
@@ -88,6 +111,7 @@ def main() -> None:
     rcfg = eval_rollout_config(params.rollout, params.evaluate)
     factory = lambda: make_env(params.env)  # noqa: E731
     arms = [("per-method", rcfg.batch_size)] + [("together", int(b)) for b in args.batch_sizes.split(",")]
+    arms = [a for a in arms if a[0] in args.arms.split(",")]
     results: dict[tuple[str, int], list[tuple[float, int, int, int, dict]]] = {a: [] for a in arms}
     for rep in range(args.repeats):
         for arm, b in arms if rep % 2 == 0 else arms[::-1]:
@@ -108,7 +132,7 @@ def main() -> None:
             print(f"{arm} batch {b} repeat {rep}: {seconds:.1f} s, {len(episodes)} episodes, {tokens} agent tokens, "
                   f"successes per method {wins}", flush=True)
     ref = results[arms[0]][0][4]
-    print("\n| arm | batch_size | seconds | episodes | agent tokens | agent tokens/s | episodes identical to per-method's |")
+    print("\n| arm | batch_size | seconds | episodes | agent tokens | agent tokens/s | episodes identical to the first arm's |")
     print("| --- | ---: | --- | ---: | --- | --- | --- |")
     for (arm, b), rs in results.items():
         same = ", ".join(f"{sum(r[4][k] == v for k, v in ref.items())}/{len(ref)}" for r in rs)

@@ -55,7 +55,7 @@ def ids(policy):
     texts = ["Hello, I need to cancel order #W123 please.", "What is the balance of my gift card?"]
     rows = [policy.encode(t) for t in texts]
     n = min(len(r) for r in rows)
-    return torch.tensor([r[:n] for r in rows])
+    return torch.tensor([r[:n] for r in rows], device=policy.device)
 
 
 def logits(model, ids) -> torch.Tensor:

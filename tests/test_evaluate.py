@@ -207,6 +207,26 @@ def test_decode_into_memo_plays_every_method_in_one_batch_as_each_alone(policy, 
         decode_into_memo(policy, tasks, KVEnv, cfg.model_copy(update={"temperature": 0.5}), 0, routings, {})
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: rows under different weights decoded on a GPU against the same on the CPU")
+def test_cuda_decodes_every_method_in_one_batch_as_the_cpu_does(tiny_model_dir, lora_dirs):
+    """On a GPU, one batch of rows under the base model, two adapters and a merge (per-row LoRA, each route's
+    own prefix copied per row: no cascade there) gives the CPU's greedy episodes (fp32)."""
+    tasks = [kv_task(i) for i in range(4)]
+    routings = [None, "a", "b", {"a": 0.5, "b": 0.25},
+                {"toy/read/0": {"b": 1.0}, "toy/read/1": {}, "toy/read/2": {"a": 0.5, "b": 0.25}, "toy/read/3": {"a": 1}}]
+    memos = {}
+    for device in ("cpu", "cuda"):
+        pol = load_policy(tiny_model_dir, adapters={k: str(v) for k, v in lora_dirs.items()}, policy_id="tiny",
+                          device=device)
+        assert pol.device.type == device
+        memos[device] = {}
+        assert decode_into_memo(pol, tasks, KVEnv, CFG.model_copy(update={"batch_size": 8}), 0, routings,
+                                memos[device]) == 16
+    assert memos["cuda"] == memos["cpu"]
+
+
 def test_route_all_scores_label_tokens_and_none_routes_to_base(policy):
     tasks = [kv_task(i) for i in range(3)]
     cands = [RouteCandidate(capability_id="a", description="looks values up"),

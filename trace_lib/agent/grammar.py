@@ -33,6 +33,7 @@ the same tokens the bounded repetition forbade (`tests/test_grammar.py` compares
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,8 +277,9 @@ class ToolCallLogitsProcessor(LogitsProcessor):
                         self.rejected[j] = True  # only reachable if a caller ignored the mask
         self._seen = input_ids.shape[1]
         active = [j for j, m in enumerate(self.matchers) if not m.is_terminated()]
-        for j in active:
-            self.matchers[j].fill_next_token_bitmask(self._bitmask, j)
+        if active:  # the rows' masks on xgrammar's threads (half the cores), not one row after another
+            _batch_matcher().batch_fill_next_token_bitmask([self.matchers[j] for j in active], self._bitmask,
+                                                           indices=active)
         if active:
             # off the CPU, plain torch ops rather than xgrammar's default there (a Triton kernel compiled
             # at first use): one masking per decoding step costs little either way
@@ -318,6 +320,17 @@ class ToolCallLogitsProcessor(LogitsProcessor):
         self._started += [False] * len(require_tool_call)
         if len(self.matchers) > self._bitmask.shape[0]:
             self._bitmask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)
+
+
+@functools.cache
+def _batch_matcher() -> Any:
+    """xgrammar's batch matcher: fills many rows' masks on its own threads (half the machine's cores; one on
+    2 cores, where the decoding step's matrix work has the cores to itself while masks are filled). A masked
+    step of the `gpu` profile's 64 rows filled them one after another: ~2.5 ms a row on the GPU machine's
+    CPU, most of such a step (benchmarks/README.md, evaluate_routes.py on a GPU)."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()
 
 
 def make_tool_call_processor(

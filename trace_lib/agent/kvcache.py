@@ -62,6 +62,8 @@ class RowRoutes:
         self.slot = torch.tensor(slot, dtype=torch.long, device=device)
         self.prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """Per layer, the shared prefixes of the routes present (picked once for these rows, not every step)."""
+        self.memo: dict[Any, Any] = {}
+        """Scratch the routed LoRA layers share while these rows run (`agent.row_lora`)."""
 
 
 _ROWS: ContextVar[RowRoutes | None] = ContextVar("trace_row_routes", default=None)

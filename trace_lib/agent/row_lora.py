@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from trace_lib.agent.adapters import active_weights, lora_layers
-from trace_lib.agent.kvcache import current_row_routes
+from trace_lib.agent.kvcache import RowRoutes, current_row_routes
 
 __all__ = ["RoutedLora", "supports_routes"]
 
@@ -64,6 +64,7 @@ class RoutedLora:
         if unknown:
             raise ValueError(f"unknown adapter(s) {unknown}; loaded: {sorted(loaded) or 'none'}")
         names = sorted({n for r in self.routes for n in r})
+        tables: dict[tuple, tuple[torch.Tensor, frozenset[int]]] = {}
         self._plan: list[tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor, frozenset[int]] | None]] = []
         with torch.no_grad():
             for layer in lora_layers(model):
@@ -73,15 +74,17 @@ class RoutedLora:
                     continue
                 a = torch.cat([layer.lora_A[n].weight for n in present])  # (Σ r, in)
                 b = torch.cat([layer.lora_B[n].weight for n in present], dim=1)  # (out, Σ r)
-                scale = torch.zeros(len(self.routes), a.shape[0], dtype=a.dtype)  # built on the CPU, sent once
-                start = 0
-                for n in present:
-                    r = layer.lora_A[n].weight.shape[0]
-                    for k, route in enumerate(self.routes):
-                        scale[k, start:start + r] = route.get(n, 0.0) * layer.scaling[n]
-                    start += r
-                used = frozenset(k for k in range(len(self.routes)) if bool(scale[k].any()))
-                self._plan.append((layer, (a, b, scale.to(a.device), used)))
+                shape = tuple((n, layer.lora_A[n].weight.shape[0], float(layer.scaling[n])) for n in present)
+                if shape not in tables:  # layers with the same adapters, ranks and scalings share one table
+                    scale = torch.zeros(len(self.routes), a.shape[0], dtype=a.dtype)  # built on the CPU, sent once
+                    start = 0
+                    for n, r, scaling in shape:
+                        for k, route in enumerate(self.routes):
+                            scale[k, start:start + r] = route.get(n, 0.0) * scaling
+                        start += r
+                    used = frozenset(k for k in range(len(self.routes)) if bool(scale[k].any()))
+                    tables[shape] = (scale.to(a.device), used)
+                self._plan.append((layer, (a, b, *tables[shape])))
 
     def __enter__(self) -> RoutedLora:
         self._saved = [layer.__dict__.get("forward") for layer, _ in self._plan]  # e.g. another library's hook
@@ -113,8 +116,32 @@ def _routed_forward(layer: Any, parts: tuple[torch.Tensor, torch.Tensor, torch.T
             raise ValueError(f"routes for {len(rows.routes)} rows, the batch has {x.shape[0]}")
         if not (rows.present & used):  # every row here is on the base model for this layer
             return result
-        s = scale[rows.index].view(x.shape[0], *([1] * (x.dim() - 2)), -1)
-        delta = F.linear(F.linear(x.to(a.dtype), a) * s, b)
-        return result + delta.to(result.dtype)
+        # A decoding step is ~210 small LoRA layers, where each tensor op's fixed cost is most of its time: the
+        # rows' scales are gathered once per table and batch (not per layer), the input is cast to float32
+        # once for the projections that share it (q/k/v, gate/up), and the delta is added in place, in
+        # float32 and rounded once, as PEFT's `result + delta` then `.to(result.dtype)` does.
+        h = F.linear(_as_dtype(rows.memo, x, a.dtype), a)
+        h.mul_(_row_scales(rows, scale, x.dim()))
+        return result.add_(F.linear(h, b))
 
     return forward
+
+
+def _row_scales(rows: RowRoutes, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """`scale`'s row for each batch row, shaped to broadcast over an input of `dim` dimensions; gathered once
+    per (table, batch) and kept in the batch's `RowRoutes.memo`."""
+    key = ("scale", id(scale), dim)
+    held = rows.memo.get(key)
+    if held is None or held[0] is not scale:  # the table itself is held: its id cannot be reused meanwhile
+        held = rows.memo[key] = (scale, scale[rows.index].view(len(rows.routes), *([1] * (dim - 2)), -1))
+    return held[1]
+
+
+def _as_dtype(memo: dict, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype`; the last input's cast is kept, so the projections that read one input cast it once."""
+    if x.dtype == dtype:
+        return x
+    held = memo.get("input")
+    if held is None or held[0] is not x or held[1].dtype != dtype:
+        held = memo["input"] = (x, x.to(dtype))
+    return held[1]
