@@ -1,13 +1,13 @@
 """One decoding step's model forward with per-row LoRA routes, against the base model and PEFT's own paths.
 
-SmolLM2 (the params' model folder, bf16) with 7 random LoRA adapters in the train stage's shapes (r8, alpha 16,
+SmolLM2 (the params' model folder, bf16) with 5 random LoRA adapters in the train stage's shapes (r8, alpha 16,
 the 7 projections; `evaluate_routes.save_adapters`). Each arm times `model(input_ids)` for one new token per row
 (no KV cache: what a step adds for LoRA does not depend on the context's length), for 1, 4 and 16 rows:
 
     base            adapters disabled (PEFT's `disable_adapter`)
     peft-single     one adapter active for every row (PEFT's LoRA layers)
-    peft-mixed      PEFT's mixed batch (`adapter_names=`: one adapter per row, rows cycling over the 7)
-    routed-mixed    `agent.row_lora.RoutedLora`: rows cycling over the base model, the 7 adapters and a merge
+    peft-mixed      PEFT's mixed batch (`adapter_names=`: one adapter per row, rows cycling over the 5)
+    routed-mixed    `agent.row_lora.RoutedLora`: rows cycling over the base model, the 5 adapters and a merge (7 routes)
     routed-base     `RoutedLora`, every row on the base model (the layers see no route to add)
 
     python benchmarks/routed_lora_step.py [--params params.yaml] [--rows 1,4,16] [--steps 30] [--threads 2]

@@ -285,6 +285,29 @@ def test_routed_lora_gives_each_row_its_route(policy, ids):
     torch.testing.assert_close(base_logits(policy, rows[:1]), got[:1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("positions", [1, None])  # a decoding step (its input's cast kept) and a prefill
+def test_routed_lora_in_bf16_is_peft_per_row(tiny_model_dir, adapter_dirs, ids, positions):
+    """In a bf16 model each routed row's logits are, within bf16 rounding, those PEFT gives that row alone
+    (the delta in float32, added and rounded once)."""
+    from trace_lib.agent.kvcache import RowRoutes, row_routes
+    from trace_lib.agent.row_lora import RoutedLora
+
+    pol = load_policy(tiny_model_dir, dtype="bfloat16", adapters={k: str(v) for k, v in adapter_dirs.items()},
+                      device=str(ids.device))
+    rows = ids[[0, 1, 1, 0]][:, :positions]
+    route_of = [0, 1, 2, 1]
+    with RoutedLora(pol.model, [{}, {"a": 1.0}, {"b": 1.0}]), row_routes(RowRoutes(route_of, ids.device)):
+        got = logits(pol.model, rows)
+    for i, k in enumerate(route_of):
+        if k == 0:
+            want = base_logits(pol, rows[i:i + 1])
+        else:
+            with use_adapter(pol, "a" if k == 1 else "b"):
+                want = logits(pol.model, rows[i:i + 1])
+        torch.testing.assert_close(got[i:i + 1], want, rtol=0.02, atol=0.02)
+    assert (got[1] - got[0]).abs().max() > 0.1  # the adapters move the logits well past that tolerance
+
+
 def test_routed_lora_refuses_what_it_cannot_route(policy, ids):
     from trace_lib.agent.kvcache import RowRoutes, row_routes
     from trace_lib.agent.row_lora import RoutedLora

@@ -33,8 +33,8 @@ the same tokens the bounded repetition forbade (`tests/test_grammar.py` compares
 from __future__ import annotations
 
 import copy
-import functools
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +214,7 @@ class ToolCallLogitsProcessor(LogitsProcessor):
         self._started: list[bool] = []
         self._seen = 0
         self._row_grammar = row_grammar
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, one per processor (not shared across threads)
 
     def _count(self, j: int, tok: int) -> None:
         """Row j's matcher accepted `tok`."""
@@ -277,9 +278,11 @@ class ToolCallLogitsProcessor(LogitsProcessor):
                         self.rejected[j] = True  # only reachable if a caller ignored the mask
         self._seen = input_ids.shape[1]
         active = [j for j, m in enumerate(self.matchers) if not m.is_terminated()]
-        if active:  # the rows' masks on xgrammar's threads (half the cores), not one row after another
-            _batch_matcher().batch_fill_next_token_bitmask([self.matchers[j] for j in active], self._bitmask,
-                                                           indices=active)
+        if active:  # the rows' masks on xgrammar's threads, not one row after another
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(mask_threads())
+            self._batch.batch_fill_next_token_bitmask([self.matchers[j] for j in active], self._bitmask,
+                                                      indices=active)
         if active:
             # off the CPU, plain torch ops rather than xgrammar's default there (a Triton kernel compiled
             # at first use): one masking per decoding step costs little either way
@@ -322,15 +325,16 @@ class ToolCallLogitsProcessor(LogitsProcessor):
             self._bitmask = xgr.allocate_token_bitmask(len(self.matchers), self.vocab_size)
 
 
-@functools.cache
-def _batch_matcher() -> Any:
-    """xgrammar's batch matcher: fills many rows' masks on its own threads (half the machine's cores; one on
-    2 cores, where the decoding step's matrix work has the cores to itself while masks are filled). A masked
-    step of the `gpu` profile's 64 rows filled them one after another: ~2.5 ms a row on the GPU machine's
-    CPU, most of such a step (benchmarks/README.md, evaluate_routes.py on a GPU)."""
-    import xgrammar as xgr
-
-    return xgr.BatchGrammarMatcher()
+def mask_threads() -> int:
+    """Threads for filling a batch's grammar masks (xgrammar's `BatchGrammarMatcher`): half the cores this
+    process may run on (its affinity), at least one. One on the 2-core CPU, where the masks of real turns
+    are cheap (~1.4 ms a step of 16 rows); on a GPU machine the 64 rows of a step had filled theirs one after
+    another, ~2.5 ms a row, most of such a step (benchmarks/README.md, evaluate_routes.py on a GPU)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 def make_tool_call_processor(

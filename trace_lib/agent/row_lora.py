@@ -74,11 +74,12 @@ class RoutedLora:
                     continue
                 a = torch.cat([layer.lora_A[n].weight for n in present])  # (Σ r, in)
                 b = torch.cat([layer.lora_B[n].weight for n in present], dim=1)  # (out, Σ r)
-                shape = tuple((n, layer.lora_A[n].weight.shape[0], float(layer.scaling[n])) for n in present)
+                shape = (a.device, a.dtype,
+                         *((n, layer.lora_A[n].weight.shape[0], float(layer.scaling[n])) for n in present))
                 if shape not in tables:  # layers with the same adapters, ranks and scalings share one table
                     scale = torch.zeros(len(self.routes), a.shape[0], dtype=a.dtype)  # built on the CPU, sent once
                     start = 0
-                    for n, r, scaling in shape:
+                    for n, r, scaling in shape[2:]:
                         for k, route in enumerate(self.routes):
                             scale[k, start:start + r] = route.get(n, 0.0) * scaling
                         start += r
@@ -138,10 +139,16 @@ def _row_scales(rows: RowRoutes, scale: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _as_dtype(memo: dict, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` in `dtype`; the last input's cast is kept, so the projections that read one input cast it once."""
+    """`x` in `dtype`. In a decoding step (one position per row) the last input's cast is kept, so the
+    projections that read one input cast it once; a prefill's inputs are cast each time and not held (they
+    are large, and their products, not the casts' fixed costs, are most of their time)."""
     if x.dtype == dtype:
         return x
-    held = memo.get("input")
-    if held is None or held[0] is not x or held[1].dtype != dtype:
-        held = memo["input"] = (x, x.to(dtype))
-    return held[1]
+    held = memo.pop("input", None)  # dropped before a new cast: never two held at once
+    if held is not None and held[0] is x and held[1].dtype == dtype:
+        memo["input"] = held
+        return held[1]
+    cast = x.to(dtype)
+    if x.dim() >= 2 and x.shape[-2] == 1:
+        memo["input"] = (x, cast)
+    return cast
