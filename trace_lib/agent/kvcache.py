@@ -19,6 +19,8 @@ The attention function is registered with transformers as `trace_cascade` (mask 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -74,20 +76,20 @@ def current_row_routes() -> RowRoutes | None:
     return _ROWS.get()
 
 
-class row_routes:
+@contextmanager
+def _set_within(var: ContextVar, value: Any) -> Iterator[None]:
+    """`var` holds `value` inside the block, and what it held before after it (also on an exception)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def row_routes(routes: RowRoutes | None) -> AbstractContextManager[None]:
     """Context manager: the model calls inside run their rows under these routes (`RowRoutes`); None: no
     per-row routes."""
-
-    def __init__(self, routes: RowRoutes | None) -> None:
-        self.routes = routes
-
-    def __enter__(self):
-        self._token = _ROWS.set(self.routes)
-        return self
-
-    def __exit__(self, *exc):
-        _ROWS.reset(self._token)
-        return False
+    return _set_within(_ROWS, routes)
 
 
 class BufferedLayer(DynamicLayer):
@@ -251,22 +253,12 @@ def supports_cascade(model: Any) -> bool:
     return model.config._attn_implementation == CASCADE and buffered(model)
 
 
-class shared_prefix:
+def shared_prefix(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> AbstractContextManager[None]:
     """Context manager: attention layers see `kv` (per-layer (1, kv_heads, P, dim)) as a prefix of every row.
 
     A mixed-route batch passes one prefix per route, stacked (per-layer (routes, kv_heads, P, dim)): a row
     attends to the prefix of its route (`row_routes`)."""
-
-    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-        self.kv = kv
-
-    def __enter__(self):
-        self._token = _SHARED.set(self.kv)
-        return self
-
-    def __exit__(self, *exc):
-        _SHARED.reset(self._token)
-        return False
+    return _set_within(_SHARED, kv)
 
 
 def _flash(q, k, v, mask=None, causal=False, scale=None):

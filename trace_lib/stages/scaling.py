@@ -199,15 +199,19 @@ def _decode_points(params: Params, root: Path, folders: dict[str, Path], todo: l
                 memo.setdefault(key, episodes)
     routings = {p["total"]: {task: {a: x for a, x in w.items() if a not in identity}
                              for task, w in point_routing(choices, p).items()} for p in todo}
+
+    def task_routing(p: dict, tasks) -> dict[str, dict[str, float]]:
+        """Point `p`'s weights for each of `tasks` ({} for a task its routing leaves on the base model)."""
+        return {t.id: routings[p["total"]].get(t.id, {}) for t in tasks}
+
     needed: set[str] = set()
     seen = set(memo or ())
     before = len(decoded)
     for p in todo:
         new = False
         for env_cfg, tasks in targets:
-            for t in tasks:
-                w = routings[p["total"]].get(t.id, {})
-                key = memo_key(env_cfg.name, w, t.id)
+            for task_id, w in task_routing(p, tasks).items():
+                key = memo_key(env_cfg.name, w, task_id)
                 if memo is None or key not in seen:  # an episode still to decode
                     needed |= set(w)
                     seen.add(key)
@@ -221,14 +225,12 @@ def _decode_points(params: Params, root: Path, folders: dict[str, Path], todo: l
     if memo is not None and policy is not None and ecfg.decode_together:  # every point's new episodes in one batch
         for env_cfg, tasks in targets:
             decode_into_memo(policy, tasks, lambda e=env_cfg: make_env(e), rcfg, ecfg.seed,
-                             [{t.id: routings[p["total"]].get(t.id, {}) for t in tasks} for p in todo], memo,
-                             env_cfg.name, progress)
+                             [task_routing(p, tasks) for p in todo], memo, env_cfg.name, progress)
     out = {}
     for p in todo:
         trajs: list[Trajectory] = []
         for env_cfg, tasks in targets:
             trajs += evaluate_policy(policy, tasks, lambda e=env_cfg: make_env(e), rcfg, ecfg.seed,
-                                     {t.id: routings[p["total"]].get(t.id, {}) for t in tasks}, progress, memo,
-                                     env_cfg.name)
+                                     task_routing(p, tasks), progress, memo, env_cfg.name)
         out[p["total"]] = trajs
     return out
