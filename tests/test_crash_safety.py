@@ -31,6 +31,8 @@ import psutil
 import pytest
 from test_pipeline_e2e import make_scratch_repo, rules_params
 
+from trace_lib.training.lockstep import resume_point
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 UP_TO_DATE = "Data and pipelines are up to date."
@@ -253,34 +255,37 @@ def test_rollout_killed_early_then_mid_stage(repo: Path, ref: dict):
 
 
 def test_train_killed_before_and_after_a_checkpoint_resumes_without_double_counting(repo: Path, ref: dict):
-    """Killed once the first adapter's ledger has rows but before its first checkpoint (they are redone,
-    not counted twice), then, rerun, killed once the second adapter passed its first checkpoint: the
-    rerun resumes the first adapter from its final checkpoint and the second from iteration 2."""
+    """Killed once the first adapter's ledger has rows but before any checkpoint (they are redone, not counted
+    twice), then, rerun, killed once the second adapter passed its first checkpoint. The cpu profile trains the
+    adapters in lockstep (`train.lockstep`), so the kill may fall between two adapters' updates of a round: the
+    rerun resumes every adapter from the newest checkpoint all unfinished ones have (`lockstep.resume_point`)
+    and ends with the uninterrupted run's bytes."""
     names = ref["adapters"][:2]
     first, second = (repo / "data/train" / a / "rollouts.jsonl" for a in names)
     ckpts = repo / "data/checkpoints"
     _kill(repo, ["--force", "-s", "train"], _kernel_and(lambda: first.exists() and first.read_text().count("\n") >= 1))
     assert not list(ckpts.glob("*/checkpoint-*/trace_state.json")), "killed too late: a checkpoint was saved"
-    assert 1 <= first.read_text().count("\n") <= 2 and not second.exists()
+    assert 1 <= first.read_text().count("\n") <= 2 and (not second.exists() or second.read_text().count("\n") <= 2)
     _assert_artifacts_whole(repo, notebooks=False)
 
     state = ckpts / names[1] / "checkpoint-2" / "trace_state.json"
     _kill(repo, ["evaluate"], _kernel_and(state.exists))
     _assert_artifacts_whole(repo, notebooks=False)
-    saved = {a: json.loads(max((ckpts / a).glob("checkpoint-*/trace_state.json"),
-                               key=lambda p: int(p.parent.name.split("-")[1])).read_text())
-             for a in names}
-    assert saved[names[0]]["iteration"] == 4 and saved[names[1]]["iteration"] in (2, 4)  # done, mid-way
-    assert {a: sum(r["rollouts"] for r in s["ledger"]) for a, s in saved.items()} == \
-        {a: 2 * s["iteration"] for a, s in saved.items()}  # G x K = 2 rollouts per iteration
+    saved = {a: {int(p.parent.name.split("-")[1]): json.loads(p.read_text())
+                 for p in (ckpts / a).glob("checkpoint-*/trace_state.json")} for a in ref["adapters"]}
+    assert set(saved[names[1]]) in ({2}, {2, 4}) and set(saved[names[0]]) in (set(), {2}, {2, 4})
+    for a, states in saved.items():  # G x K = 2 rollouts per iteration
+        assert all(sum(r["rollouts"] for r in s["ledger"]) == 2 * i for i, s in states.items())
+    cut = resume_point({a: max(states, default=0) for a, states in saved.items()}, dict.fromkeys(saved, 4))
 
     out = _repro_after_kill(repo)
     assert "Running stage 'train'" in out
     _assert_recovered(repo, ref)
     assert _without_timing(repo / "reports/metrics/train.json") == ref["metrics"]["train"]
-    for name, s in saved.items():  # resumed: the iterations before the checkpoint kept the killed run's timings
+    for name, states in saved.items():  # resumed: the iterations before the checkpoint kept the killed run's timings
         timing = json.loads((repo / f"data/logs/train/{name}.timing.json").read_text())["iterations"]
-        assert timing[: s["iteration"]] == s["timing"]
+        at = max((i for i in states if cut is None or i <= cut), default=0)
+        assert timing[:at] == (states[at]["timing"] if at else [])
 
 
 def test_evaluate_killed_mid_stage_and_while_dvc_saves_its_outputs(repo: Path, ref: dict):

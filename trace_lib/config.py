@@ -366,6 +366,12 @@ class TrainConfig(Section):
     turn ended starts its next one while the others still decode, instead of every turn waiting for the
     batch's longest (benchmarks/README.md: train_step). False, or a model with sliding-window layers:
     turn by turn."""
+    lockstep: bool = False
+    """Train the capability adapters and the baselines together, each iteration's episodes of all of them decoded
+    in one batch, every episode under its own training's adapter (`training/lockstep.py`): a decoding step
+    costs nearly as much for one row as for eight on a CPU. The same trainings, sampled in other batches:
+    their episodes differ from those of one training after another. The trainings then run one after another
+    where lockstep cannot be: several `processes`, no `continuous_batching`, or the Unsloth backend."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
@@ -559,8 +565,9 @@ PROFILES: dict[str, dict[str, Any]] = {
         # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
         # default's ~30 minutes (2026-11-26)
         # the distilled student: 2 iterations (16 rollouts) on the synthetic mixture, its capability adapters teaching
+        # the capability adapters and the baselines trained in lockstep, their episodes decoded together
         "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16",
-                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}},
+                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}, "lockstep": True},
         # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
         # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
         # router chosen on the train split (agreement with the task tags, 2026-11-25 run): calibrated 0.50,

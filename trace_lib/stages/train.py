@@ -23,20 +23,26 @@ band-check ledger (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
                                          each adapter's seconds per iteration (no DVC output: timings
                                          stay out of cached artifacts)
 
-The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`. Checkpoints go
-to `data/checkpoints/` (no DVC output: DVC deletes a stage's outputs before it reruns the stage) and
-stay until the stage is done, so a rerun after a crash resumes each adapter from its last checkpoint,
-finished ones included, with its ledger rows as they were then.
+The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`. The baselines' budget
+is TRACE's as the capability adapters' configs plan it, checked against their ledgers once they are done, so
+that with `train.lockstep` the capability adapters and the baselines train together, each round's episodes of
+all of them decoded in one batch (`trace_lib.training.lockstep`). The distilled student trains after them.
+Checkpoints go to `data/checkpoints/` (no DVC output: DVC deletes a stage's outputs before it reruns the stage)
+and stay until the stage is done, so a rerun after a crash resumes each adapter from its last checkpoint,
+finished ones included, with its ledger rows as they were then; in lockstep every adapter resumes from the
+newest checkpoint all unfinished ones have (`lockstep.resume_point`), so the rounds are the uninterrupted run's.
 """
 
 from __future__ import annotations
 
 import shutil
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from trace_lib.agent.model import numerics
+from trace_lib.agent.policy import load_policy
 from trace_lib.config import Params, TrainConfig
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks, task_payload
@@ -51,11 +57,15 @@ from trace_lib.training import distributed
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.hints import hint_from_steps, reference_steps
+from trace_lib.training.lockstep import LockstepJob, LockstepSampler, resume_point, run_lockstep
 from trace_lib.training.trainer import (
+    checkpoint_iterations,
+    planned_rollouts,
     read_timing,
     read_train_log,
     resolve_train_backend,
     train_adapter_mixture,
+    train_dtype,
 )
 
 
@@ -132,17 +142,22 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     with ExitStack() as stack:
         boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, _sandbox_limits(params)))
                  for m in envs}
-        for m in envs:
-            source = _synthetic_source(boxes[m.capability_id], m.capability_id, params)
-            out_dir = paths.adapter(m.capability_id)
-            timing[m.capability_id] = paths.train_timing(m.capability_id)
-            manifests.append(train_adapter_mixture(
-                model_dir, [source], cfg, out_dir, seed=params.seed,
+
+        resume_at_most: int | None = None  # in lockstep: the round every training resumes from (`resume_point`)
+
+        def train_capability(m: Any, sampler: Any = None) -> AdapterManifest:
+            return train_adapter_mixture(
+                model_dir, [_synthetic_source(boxes[m.capability_id], m.capability_id, params)], cfg,
+                paths.adapter(m.capability_id), seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(m.capability_id)), name=m.capability_id, progress=progress,
                 env_sha256=m.sha256, ckpt_dir=paths.checkpoint(m.capability_id), timing_path=timing[m.capability_id],
-                **common))
-        budget = trace_budget(root, [m.capability_id for m in envs], params.rollout.split)["total"] if envs else 0
+                sampler=sampler, resume_at_most=resume_at_most, **common)
+
+        # TRACE's budget as the capability adapters will leave it (checked once they are done), so that the
+        # baselines can train beside them (`train.lockstep`)
         per_iter = cfg.groups * cfg.group_size
+        budget = (trace_budget(root, [], params.rollout.split)["total"] + len(envs) * planned_rollouts(cfg)
+                  if envs else 0)
         baselines = {"grpo_target": lambda: [_target_source(params, root)],
                      "merged_data": lambda: [_synthetic_source(boxes[m.capability_id], m.capability_id, params,
                                                                cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
@@ -150,17 +165,42 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         for name in cfg.baselines:
             if name == "merged_data" and len(envs) < 2:
                 skipped[name] = f"needs two or more synthetic environments, have {len(envs)}"
-                continue
-            if budget < per_iter:
+            elif budget < per_iter:
                 skipped[name] = f"TRACE spent {budget} rollouts, less than one iteration ({per_iter})"
-                continue
-            bcfg = cfg.model_copy(update={"rollout_budget": budget, "iterations": budget // per_iter})
-            out_dir = paths.adapter(name, baseline=True)
-            timing[name] = paths.train_timing(name, baseline=True)
-            manifests.append(train_adapter_mixture(
-                model_dir, baselines[name](), bcfg, out_dir, seed=params.seed,
+        bcfg = cfg.model_copy(update={"rollout_budget": budget, "iterations": budget // per_iter})
+
+        def train_baseline(name: str, sampler: Any = None) -> AdapterManifest:
+            return train_adapter_mixture(
+                model_dir, baselines[name](), bcfg, paths.adapter(name, baseline=True), seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(name, baseline=True)), name=name, progress=progress,
-                ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], **common))
+                ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], sampler=sampler,
+                resume_at_most=resume_at_most, **common)
+
+        def check_budget() -> None:
+            spent = trace_budget(root, [m.capability_id for m in envs], params.rollout.split)["total"] if envs else 0
+            if spent != budget:
+                raise RuntimeError(f"TRACE's budget came to {spent} rollouts where {budget} were planned (the "
+                                   "baselines' budget): a capability adapter trained other iterations than its config's")
+
+        caps = [LockstepJob(m.capability_id, partial(train_capability, m)) for m in envs]
+        rest = [LockstepJob(name, partial(train_baseline, name)) for name in cfg.baselines if name not in skipped]
+        timing.update({m.capability_id: paths.train_timing(m.capability_id) for m in envs})
+        timing.update({job.name: paths.train_timing(job.name, baseline=True) for job in rest})
+        if (cfg.lockstep and cfg.continuous_batching and size == 1 and len(caps + rest) > 1
+                and resolve_train_backend(cfg.backend) == "trl"):
+            ckpt = {m.capability_id: paths.checkpoint(m.capability_id) for m in envs}
+            ckpt.update({job.name: paths.checkpoint(job.name, baseline=True) for job in rest})
+            last = {m.capability_id: planned_rollouts(cfg) // per_iter for m in envs}
+            last.update({job.name: planned_rollouts(bcfg) // per_iter for job in rest})
+            resume_at_most = resume_point({n: max(checkpoint_iterations(c), default=0) for n, c in ckpt.items()}, last)
+            sampler = LockstepSampler(lambda: load_policy(model_dir, dtype=train_dtype(cfg),
+                                                          tool_format=params.model.tool_format), params.seed)
+            manifests.extend(run_lockstep(caps + rest, sampler))
+            check_budget()
+        else:  # one after another: `train.lockstep` off, or where it cannot run (TrainConfig.lockstep)
+            manifests.extend(job.run(None) for job in caps)
+            check_budget()
+            manifests.extend(job.run(None) for job in rest)
         if cfg.distill.iterations:
             if len(envs) < 2:
                 skipped[DISTILLED] = f"needs two or more capability adapters to distil, have {len(envs)}"

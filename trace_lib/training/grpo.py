@@ -72,6 +72,7 @@ from trace_lib.agent.policy import Policy
 from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
+from trace_lib.io import dumps_json
 from trace_lib.records import Message, Task, ToolCall
 from trace_lib.synth.rubric import item_means
 from trace_lib.training import distributed
@@ -289,30 +290,46 @@ def _by_source(episodes: Sequence[Episode]) -> list[list[Episode]]:
     return [list(batch) for _, batch in groupby(sorted(episodes, key=lambda e: e.source), key=lambda e: e.source)]
 
 
-def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: int) -> dict[str, float]:
+def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: int,
+         adapters: Sequence[str] | None = None) -> dict[str, float]:
     """Run the episodes to the end, batched per tool set; returns generation timings.
 
     With `train.continuous_batching` (and a model `Policy.play_turns` takes) each tool set's episodes are
     decoded in one continuously batched call; otherwise turn by turn, each turn of the live episodes one call.
+
+    `adapters` (one per episode): each episode is decoded under that LoRA adapter of `policy`'s model, all of
+    them in the same batches (per-row routes, `agent/row_lora.py`; `training/lockstep.py` plays several
+    trainings' iterations so). Needs continuous batching. Without it every episode runs under the policy's
+    adapter.
     """
+    if adapters is not None and len(adapters) != len(episodes):
+        raise ValueError(f"{len(adapters)} adapters for {len(episodes)} episodes")
+    names = sorted(set(adapters or ()))
+    adapter_of = {id(ep): a for ep, a in zip(episodes, adapters or [None] * len(episodes), strict=True)}
     live = [ep for ep in episodes if not ep.env.done]
     call, gen_s = 0, 0.0
     before = dict(vars(policy.stats))
+    if adapters is not None and not (cfg.continuous_batching and policy.plays_turns):
+        raise ValueError("episodes under several adapters are played with continuous batching only "
+                         "(train.continuous_batching and a model Policy.play_turns takes)")
     if cfg.continuous_batching and policy.plays_turns:
-        for batch in _by_source(live):
+        for batch in _by_source(live) if adapters is None else _by_tools(live):
             def next_turn(i: int, toks: list[int], why: str, batch: list[Episode] = batch) -> tuple[list[int], bool] | None:
                 ep = batch[i]
                 _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
                 return None if ep.env.done else (ep.sampling_ids(), must_call(cfg.tool_choice, ep.env))
 
+            keys = [ep.key if adapters is None else (adapter_of[id(ep)], *ep.key) for ep in batch]
+            routed = {} if adapters is None else {
+                "routes": [{n: 1.0} for n in names], "row_routes": [names.index(adapter_of[id(ep)]) for ep in batch]}
             t0 = time.perf_counter()
             stepping = policy.play_turns(
                 [ep.sampling_ids() for ep in batch], next_turn, temperature=cfg.temperature, top_p=1.0,
                 max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62,
-                sessions=[ep.key for ep in batch], processor=_turn_processor(policy, cfg, batch))
+                sessions=keys, processor=_turn_processor(policy, cfg, batch), **routed)
             gen_s += time.perf_counter() - t0 - stepping  # the environments' turns are not generating
             call += 1
-            policy.end_sessions([ep.key for ep in batch])
+            policy.end_sessions(keys)
         live = []
     while live:
         for batch in _by_source(live):
@@ -334,6 +351,14 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
             "prompt_tokens_computed": (after["prompt_tokens"] - after["cached_prompt_tokens"])
             - (before["prompt_tokens"] - before["cached_prompt_tokens"]),
             "completion_tokens": after["completion_tokens"] - before["completion_tokens"]}
+
+
+def _by_tools(episodes: Sequence[Episode]) -> list[list[Episode]]:
+    """The episodes in batches of one tool set (one grammar), in their order."""
+    batches: dict[str, list[Episode]] = {}
+    for ep in episodes:
+        batches.setdefault(dumps_json(ep.env.tool_schemas()), []).append(ep)
+    return list(batches.values())
 
 
 def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_result_tokens: int) -> None:
@@ -418,6 +443,11 @@ class AgentRollout:
         self.stats: dict[int, dict[str, Any]] = {}
         """Iteration (trainer's global_step when generating) -> statistics for the log."""
         self.last: list[Episode] = []
+        self.sampler: Any = None
+        """A `training.lockstep.LockstepSampler` that plays each iteration's episodes together with other
+        trainings' (None: played here, on `policy`)."""
+        self.name = ""
+        """The training's name with the sampler."""
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -428,7 +458,8 @@ class AgentRollout:
         self.policy.clear_prefix_cache()  # the weights changed since the last iteration
         try:
             episodes = self._start(prompts, iteration)
-            timing = play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
+            timing = (play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
+                      if self.sampler is None else self.sampler.play(self.name, episodes, self.cfg, iteration))
         finally:
             model.train(was_training)
         for ep in episodes:

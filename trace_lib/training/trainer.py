@@ -144,7 +144,7 @@ def stable_target_modules(model: Any) -> None:
             peft_cfg.target_modules = sorted(peft_cfg.target_modules)
 
 
-def _train_dtype(cfg: TrainConfig) -> str:
+def train_dtype(cfg: TrainConfig) -> str:
     """The base weights' dtype while training (`train.dtype`; 'auto': bfloat16 on CUDA, float32 on CPU)."""
     import torch
 
@@ -176,7 +176,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, t
         return policy, base_id
     from peft import get_peft_model
 
-    policy = load_policy(model_dir, dtype=_train_dtype(cfg), tool_format=tool_format)
+    policy = load_policy(model_dir, dtype=train_dtype(cfg), tool_format=tool_format)
     policy.model = get_peft_model(policy.model, lora_config(cfg, policy.model))
     stable_target_modules(policy.model)
     policy.set_adapter("default")  # generate with the adapter being trained, not the base model
@@ -385,22 +385,36 @@ def _fingerprint(cfg: TrainConfig, sources: Sequence[TrainSource], seed: int, en
     return hashlib.sha256(dumps_json(what).encode("utf-8")).hexdigest()
 
 
-def _resume_state(ckpt_root: Path, fingerprint: str, delete: bool = True) -> tuple[Path | None, dict[str, Any]]:
+def checkpoint_iterations(ckpt_root: Path) -> list[int]:
+    """The iterations of the complete checkpoints in `ckpt_root` (those that hold our state file), ascending."""
+    if not Path(ckpt_root).is_dir():
+        return []
+    return sorted(int(p.name.split("-")[1]) for p in Path(ckpt_root).glob("checkpoint-*")
+                  if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
+
+
+def _resume_state(ckpt_root: Path, fingerprint: str, delete: bool = True, at_most: int | None = None
+                  ) -> tuple[Path | None, dict[str, Any]]:
     """The newest checkpoint that holds our state file (a crash mid-save leaves one without) saved
-    under `fingerprint`; when there is none, anything in `ckpt_root` is deleted (a crashed run of
-    another configuration must not be resumed, nor its files mixed with this run's) if `delete`."""
-    if ckpt_root.is_dir():
-        found = sorted((int(p.name.split("-")[1]), p) for p in ckpt_root.glob("checkpoint-*")
-                       if p.name.split("-")[1].isdigit() and (p / STATE_FILE).is_file())
-        if found:
-            path = found[-1][1]
-            state = read_json(path / STATE_FILE)
-            if state.get("fingerprint") == fingerprint:
-                return path, state
-            warnings.warn(f"{ckpt_root}: checkpoints of another configuration deleted; training starts over",
-                          stacklevel=3)
-        if delete:
-            shutil.rmtree(ckpt_root)
+    under `fingerprint`, of iteration `at_most` or earlier when given (later checkpoints and their snapshots
+    are then deleted, if `delete`: the run goes on from the earlier one); when there is none, anything in
+    `ckpt_root` is deleted (a crashed run of another configuration must not be resumed, nor its files mixed
+    with this run's) if `delete`."""
+    found = [i for i in checkpoint_iterations(ckpt_root) if at_most is None or i <= at_most]
+    if found:
+        path = ckpt_root / f"checkpoint-{found[-1]}"
+        state = read_json(path / STATE_FILE)
+        if state.get("fingerprint") == fingerprint:
+            if delete:
+                for later in [*ckpt_root.glob("checkpoint-*"), *(ckpt_root / SNAPSHOTS).glob("iter-*")]:
+                    step = later.name.split("-")[1]
+                    if step.isdigit() and int(step) > found[-1]:
+                        shutil.rmtree(later)
+            return path, state
+        warnings.warn(f"{ckpt_root}: checkpoints of another configuration deleted; training starts over",
+                      stacklevel=3)
+    if delete and ckpt_root.is_dir():
+        shutil.rmtree(ckpt_root)
     return None, {"iteration": 0, "ledger": [], "log": [], "timing": [], "reward": None}
 
 
@@ -425,7 +439,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
                           seed: int, ledger: RolloutLedger, name: str, progress: bool = False,
                           env_sha256: str = "", ckpt_dir: Path | None = None, resume_key: str = "",
                           keep_checkpoints: bool = False, timing_path: Path | None = None,
-                          teachers: Mapping[str, Path] | None = None, tool_format: str | None = None) -> AdapterManifest:
+                          teachers: Mapping[str, Path] | None = None, tool_format: str | None = None,
+                          sampler: Any = None, resume_at_most: int | None = None) -> AdapterManifest:
     """Train one LoRA adapter with GRPO on one or more environments (see the module docstring for the
     outputs); with several, each group's source is drawn with the sources' weights.
 
@@ -435,7 +450,9 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     receives the wall times (module docstring). With `teachers` (source name -> adapter folder, one per
     source) the adapter is a student distilled from them on-policy (`DistillGRPOTrainer`) instead of
     trained on rewards. `tool_format` (`model.tool_format`): how the prompts list the tools; None: as the
-    prepared folder records it."""
+    prepared folder records it. `sampler` (a `training.lockstep.LockstepSampler`): each iteration's episodes
+    are played in one batch with other trainings' (the train stage's `train.lockstep`); `resume_at_most`: resume
+    from a checkpoint of that iteration or earlier (trainings in lockstep resume from one round)."""
     if len({s.name for s in sources}) != len(sources) or not sources:
         raise ValueError(f"need one or more sources with distinct names, got {[s.name for s in sources]}")
     if any(":" in s.name for s in sources):
@@ -466,10 +483,10 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         resume_key += "|teachers:" + teachers_digest
     fingerprint = _fingerprint(cfg, sources, seed, env_sha256, resume_key)
     if rank == 0:  # process 0 decides (and deletes a stale folder) before the others read
-        ckpt, state = _resume_state(ckpt_root, fingerprint)
+        ckpt, state = _resume_state(ckpt_root, fingerprint, at_most=resume_at_most)
     distributed.barrier()
     if rank > 0:
-        ckpt, state = _resume_state(ckpt_root, fingerprint, delete=False)
+        ckpt, state = _resume_state(ckpt_root, fingerprint, delete=False, at_most=resume_at_most)
     dropped = ledger.reset(STAGE, name, state["ledger"])
     if dropped > 0:
         warnings.warn(f"{ledger.path}: dropped {dropped} rollouts of {name!r} logged after the checkpoint resumed "
@@ -487,6 +504,11 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     run: dict[str, Any] = {"log": list(state["log"]), "timing": list(state["timing"])}
     rollout = (DistillRollout if teachers is not None else AgentRollout)(
         policy, sources, cfg, reward, lambda n: ledger.add(STAGE, n, key=name), seed)
+    if sampler is not None:
+        if size > 1:
+            raise ValueError("trainings in lockstep run in one process (train.processes: 1)")
+        sampler.attach(name, policy.model)
+        rollout.sampler, rollout.name = sampler, name
 
     def save_state(folder: Path, iteration: int) -> None:
         if rank > 0:  # process 0 writes the checkpoint's trace state and snapshot
@@ -504,7 +526,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     if teachers is not None:
         from trace_lib.agent.policy import load_policy
 
-        trainer.teachers = load_policy(model_dir, dtype=_train_dtype(cfg), tool_format=policy.tool_format,
+        trainer.teachers = load_policy(model_dir, dtype=train_dtype(cfg), tool_format=policy.tool_format,
                                        adapters={k: str(v) for k, v in teachers.items()}, device=str(policy.device))
         # a second copy of the base model (on every process): PEFT saves every adapter a model holds, so teachers
         # loaded into the student would end up in its checkpoints
@@ -541,6 +563,13 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         shutil.rmtree(ckpt_root, ignore_errors=True)
     distributed.barrier()
     return manifest
+
+
+def planned_rollouts(cfg: TrainConfig) -> int:
+    """The rollouts a training of `cfg` spends from an empty ledger: whole iterations of groups x group_size,
+    `iterations` of them or as many as `rollout_budget` pays for."""
+    per_iter = cfg.groups * cfg.group_size
+    return min(cfg.iterations, (cfg.rollout_budget or cfg.iterations * per_iter) // per_iter) * per_iter
 
 
 def _micro_batch(cfg: TrainConfig, processes: int = 1) -> int:

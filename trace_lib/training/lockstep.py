@@ -1,0 +1,238 @@
+"""Several GRPO trainings in lockstep: each round, the iteration's episodes of every training decoded in one batch.
+
+Used by the train stage (`train.lockstep`) for the capability adapters and the baselines, which train
+independently of one another; reads and writes nothing itself.
+
+Why: a decoding step on the 2-core CPU costs nearly as much for one row as for eight (72 ms against 103 ms,
+~2.5k-token contexts, SmolLM2 with a LoRA adapter; 2026-11-28), and an iteration of G2 x K4 spends ~40% of
+its decoding steps on one or two rows, the tail of its longest episodes. Trained one after another, the
+trainings pay their tails one by one; played together, a step carries rows of every training
+(benchmarks/README.md: train_lockstep.py).
+
+How: each training runs TRL's loop unchanged in a thread of its own (`run_lockstep`), but only one thread
+runs at a time: it holds the sampler's lock, and lets go of it only while it waits for a round. A
+training's rollout function hands its iteration's episodes to `LockstepSampler.play`. Once every expected
+training has handed its in, one thread plays them all (`grpo.play`) on the sampler's policy: one more copy
+of the base model, which holds every training's LoRA weights (the same tensors, attached under the
+training's name), each episode decoded under its own training's adapter (per-row routes,
+`agent/row_lora.py`). Then the trainings take their updates one after another. A training is expected from
+its start (once the trainings it waits for are done) to its end. So which episodes share a round depends
+on the schedule alone, not on thread timing, and the same seed gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from trace_lib.config import TrainConfig
+from trace_lib.training.grpo import Episode, play
+
+T = TypeVar("T")
+
+SAMPLING_KEYS = ("temperature", "max_new_tokens", "constrained", "tool_choice", "tool_result_tokens",
+                 "continuous_batching")
+"""The train settings a round's trainings must share: its episodes are decoded in one call."""
+
+PLACEHOLDER = "_lockstep"
+"""The sampling model's own adapter (PEFT needs one to wrap a model); no episode is decoded under it."""
+
+
+class LockstepAborted(RuntimeError):
+    """Raised in the other trainings when one of them failed: none of them can go on alone."""
+
+
+@dataclass(frozen=True)
+class LockstepJob(Generic[T]):
+    """One training: `run(sampler)` trains it (passing the sampler to `train_adapter_mixture`) and returns its
+    result; it starts once every job named in `after` has finished."""
+
+    name: str
+    run: Callable[[LockstepSampler], T]
+    after: tuple[str, ...] = ()
+
+
+@contextmanager
+def _grad_flags_kept(models: Sequence[Any]) -> Iterator[None]:
+    """Restore every parameter's `requires_grad` of `models` on exit: PEFT marks only a model's active adapter
+    trainable when adapters are added or deleted, and the sampling model shares the trainings' LoRA tensors."""
+    flags = [(p, p.requires_grad) for m in models for p in m.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+class LockstepSampler:
+    """The trainings' shared sampling: rounds of episodes from every expected training (module docstring).
+
+    `make_policy()` loads the sampling policy's base model (once, when the first training attaches); `seed`
+    seeds each round's decoding with the round's index."""
+
+    def __init__(self, make_policy: Callable[[], Any], seed: int) -> None:
+        self._make_policy = make_policy
+        self.seed = seed
+        self.policy: Any = None
+        self.rounds = 0
+        """Rounds played so far."""
+        self._cond = threading.Condition()  # re-entrant: a training's thread holds it while it trains
+        self._order: dict[str, int] = {}
+        self._models: dict[str, Any] = {}
+        self._expected: set[str] = set()
+        self._waiting_for: dict[str, set[str]] = {}
+        self._handed: dict[str, tuple[list[Episode], TrainConfig, int]] = {}
+        self._timing: dict[str, dict[str, Any]] = {}
+        self._failed: str | None = None
+
+    # --- the trainings' weights -------------------------------------------------------------------
+    def attach(self, name: str, model: Any) -> None:
+        """Make training `name`'s LoRA weights (adapter 'default' of its PEFT `model`) adapter `name` of the
+        sampling model: the same tensors, so a round decodes with the weights as the training left them."""
+        from peft import get_peft_model
+        from peft.tuners.lora import LoraLayer
+
+        config = model.peft_config["default"]
+        with self._cond, _grad_flags_kept(list(self._models.values()) + [model]), torch.random.fork_rng():
+            if self.policy is None:
+                self.policy = self._make_policy()
+                self.policy.model = get_peft_model(self.policy.model, copy.deepcopy(config), adapter_name=PLACEHOLDER)
+                self.policy.model.requires_grad_(False).eval()
+            target = self.policy.model
+            target.add_adapter(name, copy.deepcopy(config))  # fresh weights, replaced by the training's below
+            theirs = dict(model.named_modules())
+            for key, layer in target.named_modules():
+                if isinstance(layer, LoraLayer) and name in layer.lora_A:
+                    if key not in theirs:
+                        raise ValueError(f"training {name!r} has no module {key!r}: its model is not the sampler's")
+                    layer.lora_A[name] = theirs[key].lora_A["default"]
+                    layer.lora_B[name] = theirs[key].lora_B["default"]
+            self._models[name] = model
+
+    def detach(self, name: str) -> None:
+        """Remove training `name`'s adapter from the sampling model (nothing when it has none)."""
+        with self._cond:
+            model = self._models.pop(name, None)
+            if model is None or self.policy is None:
+                return
+            with _grad_flags_kept(list(self._models.values()) + [model]):
+                self.policy.model.delete_adapter(name)
+
+    # --- rounds -------------------------------------------------------------------------------------
+    def play(self, name: str, episodes: Sequence[Episode], cfg: TrainConfig, iteration: int) -> dict[str, Any]:
+        """Hand in training `name`'s episodes of its `iteration` (0-based) and return once the round is played
+        (the episodes then played to their ends), with the round's timings. A round is seeded with the
+        iteration of its first training (in the jobs' order), so a lockstep resumed from one round's
+        checkpoints (`resume_point`) decodes as the uninterrupted one did."""
+        with self._cond:
+            if name not in self._expected or name not in self._models:
+                raise RuntimeError(f"training {name!r} is not running in this lockstep (expected: "
+                                   f"{sorted(self._expected)}, attached: {sorted(self._models)})")
+            if name in self._handed:
+                raise RuntimeError(f"training {name!r} handed in twice in round {self.rounds}")
+            self._handed[name] = (list(episodes), cfg, iteration)
+            round_ = self.rounds
+            while self.rounds == round_:
+                if self._failed:
+                    raise LockstepAborted(f"round {round_} not played: {self._failed}")
+                if self._expected <= self._handed.keys():
+                    self._play_round()
+                else:
+                    self._cond.wait()
+            return self._timing.pop(name)
+
+    def _play_round(self) -> None:
+        names = sorted(self._handed, key=self._order.__getitem__)
+        cfg = self._handed[names[0]][1]
+        for n in names[1:]:
+            other = self._handed[n][1]
+            differ = [k for k in SAMPLING_KEYS if getattr(other, k) != getattr(cfg, k)]
+            if differ:
+                raise ValueError(f"trainings {names[0]!r} and {n!r} differ in {differ}: one round decodes both")
+        episodes = [ep for n in names for ep in self._handed[n][0]]
+        adapters = [n for n in names for _ in self._handed[n][0]]
+        self.policy.clear_prefix_cache()  # the weights changed since the last round
+        iteration = self._handed[names[0]][2]
+        timing = play(self.policy, episodes, cfg, seed=self.seed * 1_000_003 + iteration, adapters=adapters)
+        shared = {**timing, "lockstep_round": self.rounds, "lockstep_trainings": len(names),
+                  "lockstep_episodes": len(episodes)}
+        self._timing.update({n: dict(shared) for n in names})
+        self._handed.clear()
+        self.rounds += 1
+        self._cond.notify_all()
+
+    # --- the schedule --------------------------------------------------------------------------------
+    def _start_schedule(self, jobs: Sequence[LockstepJob]) -> None:
+        self._order = {j.name: i for i, j in enumerate(jobs)}
+        self._expected = {j.name for j in jobs if not j.after}
+        self._waiting_for = {j.name: set(j.after) for j in jobs if j.after}
+
+    def _finish(self, name: str, error: BaseException | None) -> None:
+        """Training `name` ended (with `error`, or done): it is no longer expected, the trainings that waited
+        for it may start, and its adapter leaves the sampling model."""
+        with self._cond:
+            if error is not None and self._failed is None:
+                self._failed = f"training {name!r} failed: {error!r}"
+            self._expected.discard(name)
+            self._handed.pop(name, None)
+            for job, deps in list(self._waiting_for.items()):
+                deps.discard(name)
+                if not deps:
+                    del self._waiting_for[job]
+                    self._expected.add(job)
+            self.detach(name)
+            self._cond.notify_all()
+
+
+def resume_point(latest: Mapping[str, int], final: Mapping[str, int]) -> int | None:
+    """The iteration trainings in lockstep resume from after a crash: the newest checkpoint (`latest`, 0 for
+    none) of the least advanced training that is not done (`final`: its last iteration). A kill between two
+    trainings' updates of a round leaves some a checkpoint ahead; resumed each from its own newest, their
+    rounds would hold other trainings than the uninterrupted run's. None: every training is done."""
+    going = [latest[n] for n in latest if latest[n] < final[n]]
+    return min(going) if going else None
+
+
+def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> list[T]:
+    """Run the jobs' trainings in lockstep (module docstring); their results in the jobs' order. When one
+    fails, the others stop at their next round and its error is raised here."""
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lockstep job names must be distinct, got {names}")
+    for i, job in enumerate(jobs):
+        unknown = [a for a in job.after if a not in names[:i]]
+        if unknown:
+            raise ValueError(f"job {job.name!r} waits for {unknown}, which are not earlier jobs")
+    sampler._start_schedule(jobs)
+    results: dict[str, T] = {}
+    errors: list[tuple[int, BaseException]] = []
+
+    def body(index: int, job: LockstepJob[T]) -> None:
+        error: BaseException | None = None
+        with sampler._cond:
+            sampler._cond.wait_for(lambda: job.name in sampler._expected or sampler._failed is not None)
+            try:
+                if sampler._failed is not None:
+                    raise LockstepAborted(f"{job.name!r} not started: {sampler._failed}")
+                results[job.name] = job.run(sampler)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+                error = exc
+                errors.append((0 if not isinstance(exc, LockstepAborted) else 1, exc))
+            finally:
+                sampler._finish(job.name, error)
+
+    threads = [threading.Thread(target=body, args=(i, j), name=f"trace-lockstep-{j.name}", daemon=True)
+               for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:  # the failure itself, not the stops it caused in the others
+        raise min(errors, key=lambda e: e[0])[1]
+    return [results[n] for n in names]
