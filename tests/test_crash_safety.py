@@ -31,7 +31,7 @@ import psutil
 import pytest
 from test_pipeline_e2e import make_scratch_repo, rules_params
 
-from trace_lib.training.lockstep import resume_point
+from trace_lib.training.lockstep import resume_points
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -258,7 +258,7 @@ def test_train_killed_before_and_after_a_checkpoint_resumes_without_double_count
     """Killed once the first adapter's ledger has rows but before any checkpoint (they are redone, not counted
     twice), then, rerun, killed once the second adapter passed its first checkpoint. The cpu profile trains the
     adapters in lockstep (`train.lockstep`), so the kill may fall between two adapters' updates of a round: the
-    rerun resumes every adapter from the newest checkpoint all unfinished ones have (`lockstep.resume_point`)
+    rerun resumes every adapter from the newest checkpoint all unfinished ones have (`lockstep.resume_points`)
     and ends with the uninterrupted run's bytes."""
     names = ref["adapters"][:2]
     first, second = (repo / "data/train" / a / "rollouts.jsonl" for a in names)
@@ -276,7 +276,7 @@ def test_train_killed_before_and_after_a_checkpoint_resumes_without_double_count
     assert set(saved[names[1]]) in ({2}, {2, 4}) and set(saved[names[0]]) in (set(), {2}, {2, 4})
     for a, states in saved.items():  # G x K = 2 rollouts per iteration
         assert all(sum(r["rollouts"] for r in s["ledger"]) == 2 * i for i, s in states.items())
-    cut = resume_point({a: max(states, default=0) for a, states in saved.items()}, dict.fromkeys(saved, 4))
+    resumed = resume_points({a: max(states, default=0) for a, states in saved.items()}, dict.fromkeys(saved, 4))
 
     out = _repro_after_kill(repo)
     assert "Running stage 'train'" in out
@@ -284,7 +284,7 @@ def test_train_killed_before_and_after_a_checkpoint_resumes_without_double_count
     assert _without_timing(repo / "reports/metrics/train.json") == ref["metrics"]["train"]
     for name, states in saved.items():  # resumed: the iterations before the checkpoint kept the killed run's timings
         timing = json.loads((repo / f"data/logs/train/{name}.timing.json").read_text())["iterations"]
-        at = max((i for i in states if cut is None or i <= cut), default=0)
+        at = max((i for i in states if resumed[name] is None or i <= resumed[name]), default=0)
         assert timing[:at] == (states[at]["timing"] if at else [])
 
 

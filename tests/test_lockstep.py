@@ -13,7 +13,7 @@ from trace_lib.agent.policy import load_policy
 from trace_lib.config import TrainConfig
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource, play, start_episode
-from trace_lib.training.lockstep import LockstepAborted, LockstepJob, LockstepSampler, resume_point, run_lockstep
+from trace_lib.training.lockstep import LockstepAborted, LockstepJob, LockstepSampler, resume_points, run_lockstep
 from trace_lib.training.trainer import (
     checkpoint_iterations,
     load_trainable,
@@ -83,12 +83,13 @@ def test_the_sampler_shares_the_trainings_tensors_and_leaves_them_trainable(tiny
     assert all(p.requires_grad for n, p in one.model.named_parameters() if "lora_" in n)
 
 
-def lockstep_pair(model_dir, root, iterations=(2, 3), after=()):
-    """Two trainings on the toy environment in lockstep; their manifests and the sampler."""
+def lockstep_run(model_dir, root, trainings):
+    """Trainings on the toy environment in lockstep, each (name, iterations, after, temperature); their manifests
+    and the sampler."""
     sampler = sampler_for(model_dir)
 
-    def job(name, n, deps=()):
-        cfg = TrainConfig(**{**FAST, "iterations": n})
+    def job(name, n, deps, temperature):
+        cfg = TrainConfig(**{**FAST, "iterations": n, "temperature": temperature})
 
         def run(s):
             return train_adapter_mixture(model_dir, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks)], cfg,
@@ -96,22 +97,28 @@ def lockstep_pair(model_dir, root, iterations=(2, 3), after=()):
                                          sampler=s)
         return LockstepJob(name, run, tuple(deps))
 
-    jobs = [job("first", iterations[0]), job("second", iterations[1], after)]
-    return run_lockstep(jobs, sampler), sampler
+    return run_lockstep([job(*t) for t in trainings], sampler), sampler
+
+
+def lockstep_pair(model_dir, root, iterations=(2, 3), after=(), temperatures=(1.0, 1.0)):
+    return lockstep_run(model_dir, root, [("first", iterations[0], (), temperatures[0]),
+                                          ("second", iterations[1], after, temperatures[1])])
 
 
 def test_trainings_in_lockstep_share_rounds_and_give_the_same_bytes_twice(tiny_model_dir, tmp_path):
+    # three trainings: after a round the threads go on in the lock's order, which a pair always alternates
+    trainings = [("first", 2, (), 1.0), ("second", 3, (), 1.0), ("third", 2, (), 1.0)]
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    manifests, sampler = lockstep_pair(tiny_model_dir, tmp_path / "a")
-    assert [m.capability_id for m in manifests] == ["first", "second"]
-    assert [m.iterations for m in manifests] == [2, 3] and [m.rollouts_used for m in manifests] == [8, 12]
-    assert sampler.rounds == 3  # two rounds of both, then one of the longer training alone
+    manifests, sampler = lockstep_run(tiny_model_dir, tmp_path / "a", trainings)
+    assert [m.capability_id for m in manifests] == ["first", "second", "third"]
+    assert [m.iterations for m in manifests] == [2, 3, 2] and [m.rollouts_used for m in manifests] == [8, 12, 8]
+    assert sampler.rounds == 3  # two rounds of all three, then one of the longest training alone
     rounds = [[t["lockstep_trainings"] for t in read_timing(tmp_path / "a" / f"{n}.timing.json")["iterations"]]
-              for n in ("first", "second")]
-    assert rounds == [[2, 2], [2, 2, 1]]
+              for n in ("first", "second", "third")]
+    assert rounds == [[3, 3], [3, 3, 1], [3, 3]]
     assert not sampler._models  # every training's adapter left the sampling model
-    again, _ = lockstep_pair(tiny_model_dir, tmp_path / "b")
-    for name in ("first", "second"):
+    lockstep_run(tiny_model_dir, tmp_path / "b", trainings)
+    for name in ("first", "second", "third"):
         for file in ("adapter_model.safetensors", "train_log.jsonl"):
             assert (tmp_path / "a" / name / file).read_bytes() == (tmp_path / "b" / name / file).read_bytes()
     assert len(read_train_log(tmp_path / "a" / "second")) == 3
@@ -121,6 +128,12 @@ def test_a_training_that_waits_for_another_starts_after_it_ends(tiny_model_dir, 
     manifests, sampler = lockstep_pair(tiny_model_dir, tmp_path, iterations=(1, 1), after=("first",))
     assert sampler.rounds == 2 and [m.iterations for m in manifests] == [1, 1]
     assert read_timing(tmp_path / "second.timing.json")["iterations"][0]["lockstep_round"] == 1
+
+
+def test_trainings_at_other_temperatures_share_a_round(tiny_model_dir, tmp_path):
+    manifests, sampler = lockstep_pair(tiny_model_dir, tmp_path, iterations=(1, 1), temperatures=(0.7, 1.0))
+    assert sampler.rounds == 1 and [m.rollouts_used for m in manifests] == [4, 4]
+    assert read_timing(tmp_path / "second.timing.json")["iterations"][0]["lockstep_trainings"] == 2
 
 
 def test_a_failed_training_stops_the_others_and_its_error_is_raised():
@@ -156,11 +169,15 @@ def test_jobs_must_have_distinct_names_and_wait_only_for_earlier_jobs():
         run_lockstep([LockstepJob("a", lambda s: 1, ("b",)), LockstepJob("b", lambda s: 2)], sampler)
 
 
-def test_trainings_resume_from_the_newest_checkpoint_every_unfinished_one_has():
-    # killed between two trainings' updates of round 4: one is a checkpoint ahead; a finished one stays finished
-    assert resume_point({"a": 4, "b": 2, "done": 2}, {"a": 7, "b": 7, "done": 2}) == 2
-    assert resume_point({"a": 0, "b": 2}, {"a": 7, "b": 7}) == 0
-    assert resume_point({"a": 7, "b": 2}, {"a": 7, "b": 2}) is None  # all done: each keeps its own
+def test_trainings_resume_from_the_newest_round_every_unfinished_one_has_a_checkpoint_of():
+    # killed between two trainings' updates of a round: one is a checkpoint ahead; one that is done rolls back too
+    assert resume_points({"a": 4, "b": 2, "done": 2}, {"a": 7, "b": 7, "done": 2}) == {"a": 2, "b": 2, "done": 2}
+    assert resume_points({"a": 4, "b": 2, "done": 2}, {"a": 7, "b": 7, "done": 4}) == {"a": 2, "b": 2, "done": 2}
+    assert resume_points({"a": 0, "b": 2}, {"a": 7, "b": 7}) == {"a": 0, "b": 0}
+    assert resume_points({"a": 7, "b": 2}, {"a": 7, "b": 2}) == {"a": None, "b": None}  # all done: each its own
+    # a training that waited for others and started in round 2: its iteration 1 is round 3
+    assert resume_points({"a": 4, "late": 1}, {"a": 7, "late": 2}, {"late": 2}) == {"a": 3, "late": 1}
+    assert resume_points({"a": 1, "late": 0}, {"a": 7, "late": 2}, {"late": 2}) == {"a": 1, "late": 0}
 
 
 def test_a_resume_at_most_an_earlier_iteration_drops_the_later_checkpoints(tiny_model_dir, tmp_path):

@@ -144,6 +144,23 @@ def test_stop_token_is_not_in_text(policy):
     assert outs == [[eos]]
 
 
+def test_sample_tokens_at_a_temperature_per_row_draws_as_each_rows_own_temperature():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    temps = [0.3, 1.0, 2.5]
+
+    def gens():
+        return [torch.Generator().manual_seed(7 + i) for i in range(3)]
+
+    together = [sample_tokens(logits, torch.tensor(temps), 1.0, g) for g in [gens()] for _ in range(20)]
+    alone = [[], [], []]
+    for i, t in enumerate(temps):
+        g = gens()[i]
+        alone[i] = [int(sample_tokens(logits[i:i + 1], t, 1.0, [g])) for _ in range(20)]
+    assert [[int(x[i]) for x in together] for i in range(3)] == alone
+    with pytest.raises(ValueError, match="above 0"):
+        sample_tokens(logits, torch.tensor([0.5, 0.0, 1.0]), 1.0, gens())
+
+
 def test_sample_tokens_top_p_keeps_the_nucleus():
     logits = torch.tensor([[5.0, 4.0, -10.0, -10.0]])
     gens = [torch.Generator().manual_seed(i) for i in range(1)]

@@ -370,8 +370,9 @@ class TrainConfig(Section):
     """Train the capability adapters and the baselines together, each iteration's episodes of all of them decoded
     in one batch, every episode under its own training's adapter (`training/lockstep.py`): a decoding step
     costs nearly as much for one row as for eight on a CPU. The same trainings, sampled in other batches:
-    their episodes differ from those of one training after another. The trainings then run one after another
-    where lockstep cannot be: several `processes`, no `continuous_batching`, or the Unsloth backend."""
+    their episodes differ from those of one training after another. The trainings run one after another where
+    lockstep cannot be: several `processes`, no `continuous_batching`, or the Unsloth backend; a model with
+    sliding-window layers is refused (set it false there)."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""

@@ -130,6 +130,8 @@ class _TurnRun:
     """Per row, the index of the route it runs under (`play_turns` with `routes`); None: the policy's adapter."""
     labels: list[str | None] | None = None
     """Per route, its name in session heads and prefix keys (None, an adapter, or a merge label)."""
+    temperatures: list[float] | None = None
+    """Per route, the temperature its rows sample at (`play_turns` with a temperature per route)."""
     prefill_seconds: float = 0.0
     callback_seconds: float = 0.0
     """Spent in `next_turn` (the caller's environments), neither prefill nor decoding."""
@@ -156,8 +158,11 @@ def exponential_draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.
     return (probs / q).argmax(dim=-1)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float,
+                  gens: list[torch.Generator]) -> torch.Tensor:
     """One token per row: greedy at temperature 0, else nucleus sampling with each row's generator.
+    `temperature` may be one per row (a 1-D tensor, every value above 0: rows of trainings that sample at
+    different temperatures in one batch, `play_turns` with `temperature` per route).
 
     With CPU generators the probabilities are brought to the CPU for the draw (`torch.multinomial`) and
     the tokens go back to the logits' device. With generators of the logits' own device (a GPU), the draw
@@ -165,12 +170,15 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: 
     per row (49k exponentials, a serial kernel), most of a batch-64 decoding step; on the GPU it is one
     small kernel per row. A GPU's draws differ from the CPU's for the same seed (and may differ between
     GPU models); greedy decoding does not draw."""
-    if temperature <= 0:
+    per_row = isinstance(temperature, torch.Tensor)
+    if per_row and not bool((temperature > 0).all()):
+        raise ValueError("temperatures per row must all be above 0 (greedy decoding is one temperature, 0)")
+    if not per_row and temperature <= 0:
         return logits.argmax(dim=-1)
     device = logits.device
     on_device = device.type != "cpu" and bool(gens) and gens[0].device == device
     logits = logits.float() if on_device else logits.float().cpu()
-    logits = logits / temperature
+    logits = logits / (temperature.to(logits.device, torch.float32)[:, None] if per_row else temperature)
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
@@ -360,7 +368,7 @@ class Policy:
         prompts: list[list[int]],
         next_turn: Callable[[int, list[int], str], NextTurn | tuple | None],
         *,
-        temperature: float,
+        temperature: float | Sequence[float],
         top_p: float,
         max_new_tokens: int,
         seed: int,
@@ -397,7 +405,8 @@ class Policy:
         each row runs under its own route in the same batch (`agent.row_lora`), its episodes' later
         `NextTurn`s naming the new episode's route (a `NextTurn` with a new session and no route keeps the
         row's route). Each route has its own shared prefix and sessions. Without them every row runs under the
-        policy's adapter.
+        policy's adapter. With routes, `temperature` may be one per route (each above 0): several trainings'
+        episodes sampled together, each at its own temperature (`training/lockstep.py`).
         """
         if len(sessions) != len(prompts):
             raise ValueError(f"{len(sessions)} session keys for {len(prompts)} prompts")
@@ -414,6 +423,9 @@ class Policy:
                                    or not all(0 <= k < len(routes) for k in row_routes)):
             raise ValueError(f"row_routes must give each of the {len(prompts)} rows an index into the "
                              f"{len(routes)} routes")
+        per_route = not isinstance(temperature, (int, float))
+        if per_route and (routes is None or len(temperature) != len(routes) or min(temperature) <= 0):
+            raise ValueError("a temperature per route needs routes, one temperature above 0 for each")
         t0 = time.perf_counter()
         govern_threads()
         torch.manual_seed(seed)
@@ -424,6 +436,7 @@ class Policy:
             from trace_lib.agent.row_lora import RoutedLora
 
             run.route_of, run.labels = list(row_routes), _route_labels(routes)
+            run.temperatures = [float(t) for t in temperature] if per_route else None
             routed = RoutedLora(self.model, routes)
         with routed:
             while starting:  # one batch per shared prefix
@@ -478,7 +491,9 @@ class Policy:
         while rows:
             if run.processor is not None:
                 logits = run.processor(generated, logits)
-            tok = sample_tokens(logits, temperature, top_p, gens)
+            temps = temperature if run.temperatures is None else torch.tensor(
+                [run.temperatures[run.route_of[r]] for r in rows])
+            tok = sample_tokens(logits, temps, top_p, gens)
             generated = torch.cat([generated, tok[:, None]], dim=1)
             stopped = torch.isin(tok, stop).tolist()
             ended = []

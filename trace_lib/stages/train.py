@@ -26,11 +26,13 @@ band-check ledger (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
 The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`. The baselines' budget
 is TRACE's as the capability adapters' configs plan it, checked against their ledgers once they are done, so
 that with `train.lockstep` the capability adapters and the baselines train together, each round's episodes of
-all of them decoded in one batch (`trace_lib.training.lockstep`). The distilled student trains after them.
+all of them decoded in one batch (`trace_lib.training.lockstep`); the distilled student joins the rounds once the
+capability adapters, its teachers, are done.
 Checkpoints go to `data/checkpoints/` (no DVC output: DVC deletes a stage's outputs before it reruns the stage)
 and stay until the stage is done, so a rerun after a crash resumes each adapter from its last checkpoint,
 finished ones included, with its ledger rows as they were then; in lockstep every adapter resumes from the
-newest checkpoint all unfinished ones have (`lockstep.resume_point`), so the rounds are the uninterrupted run's.
+newest round all unfinished ones have a checkpoint of (`lockstep.resume_points`), so the rounds are the
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from trace_lib.training import distributed
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.hints import hint_from_steps, reference_steps
-from trace_lib.training.lockstep import LockstepJob, LockstepSampler, resume_point, run_lockstep
+from trace_lib.training.lockstep import LockstepJob, LockstepSampler, resume_points, run_lockstep
 from trace_lib.training.trainer import (
     checkpoint_iterations,
     planned_rollouts,
@@ -143,7 +145,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, _sandbox_limits(params)))
                  for m in envs}
 
-        resume_at_most: int | None = None  # in lockstep: the round every training resumes from (`resume_point`)
+        resume: dict[str, int | None] = {}  # in lockstep: the iteration each training resumes from (`resume_points`)
 
         def train_capability(m: Any, sampler: Any = None) -> AdapterManifest:
             return train_adapter_mixture(
@@ -151,7 +153,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 paths.adapter(m.capability_id), seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(m.capability_id)), name=m.capability_id, progress=progress,
                 env_sha256=m.sha256, ckpt_dir=paths.checkpoint(m.capability_id), timing_path=timing[m.capability_id],
-                sampler=sampler, resume_at_most=resume_at_most, **common)
+                sampler=sampler, resume_at_most=resume.get(m.capability_id), **common)
 
         # TRACE's budget as the capability adapters will leave it (checked once they are done), so that the
         # baselines can train beside them (`train.lockstep`)
@@ -174,7 +176,15 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 model_dir, baselines[name](), bcfg, paths.adapter(name, baseline=True), seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(name, baseline=True)), name=name, progress=progress,
                 ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], sampler=sampler,
-                resume_at_most=resume_at_most, **common)
+                resume_at_most=resume.get(name), **common)
+
+        def train_student(sampler: Any = None) -> AdapterManifest:
+            return train_adapter_mixture(
+                model_dir, baselines["merged_data"](), distill_config(cfg), paths.adapter(DISTILLED, True),
+                seed=params.seed, ledger=RolloutLedger(paths.train_ledger(DISTILLED, baseline=True)), name=DISTILLED,
+                progress=progress, ckpt_dir=paths.checkpoint(DISTILLED, baseline=True), timing_path=timing[DISTILLED],
+                teachers={m.capability_id: paths.adapter(m.capability_id) for m in envs}, sampler=sampler,
+                resume_at_most=resume.get(DISTILLED), **common)
 
         def check_budget() -> None:
             spent = trace_budget(root, [m.capability_id for m in envs], params.rollout.split)["total"] if envs else 0
@@ -184,34 +194,32 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
 
         caps = [LockstepJob(m.capability_id, partial(train_capability, m)) for m in envs]
         rest = [LockstepJob(name, partial(train_baseline, name)) for name in cfg.baselines if name not in skipped]
+        if cfg.distill.iterations and len(envs) < 2:
+            skipped[DISTILLED] = f"needs two or more capability adapters to distil, have {len(envs)}"
+        # the student learns from the finished capability adapters
+        student = [LockstepJob(DISTILLED, train_student, tuple(j.name for j in caps))] if (
+            cfg.distill.iterations and len(envs) >= 2) else []
         timing.update({m.capability_id: paths.train_timing(m.capability_id) for m in envs})
-        timing.update({job.name: paths.train_timing(job.name, baseline=True) for job in rest})
-        if (cfg.lockstep and cfg.continuous_batching and size == 1 and len(caps + rest) > 1
+        timing.update({job.name: paths.train_timing(job.name, baseline=True) for job in rest + student})
+        if (cfg.lockstep and cfg.continuous_batching and size == 1 and len(caps + rest + student) > 1
                 and resolve_train_backend(cfg.backend) == "trl"):
             ckpt = {m.capability_id: paths.checkpoint(m.capability_id) for m in envs}
-            ckpt.update({job.name: paths.checkpoint(job.name, baseline=True) for job in rest})
+            ckpt.update({job.name: paths.checkpoint(job.name, baseline=True) for job in rest + student})
             last = {m.capability_id: planned_rollouts(cfg) // per_iter for m in envs}
             last.update({job.name: planned_rollouts(bcfg) // per_iter for job in rest})
-            resume_at_most = resume_point({n: max(checkpoint_iterations(c), default=0) for n, c in ckpt.items()}, last)
+            last.update({DISTILLED: cfg.distill.iterations} if student else {})
+            first = {DISTILLED: planned_rollouts(cfg) // per_iter} if student else {}  # the round it starts in
+            resume.update(resume_points({n: max(checkpoint_iterations(c), default=0) for n, c in ckpt.items()},
+                                        last, first))
             sampler = LockstepSampler(lambda: load_policy(model_dir, dtype=train_dtype(cfg),
                                                           tool_format=params.model.tool_format), params.seed)
-            manifests.extend(run_lockstep(caps + rest, sampler))
+            done = run_lockstep(caps + rest + student, sampler)
             check_budget()
         else:  # one after another: `train.lockstep` off, or where it cannot run (TrainConfig.lockstep)
-            manifests.extend(job.run(None) for job in caps)
+            done = [job.run(None) for job in caps]
             check_budget()
-            manifests.extend(job.run(None) for job in rest)
-        if cfg.distill.iterations:
-            if len(envs) < 2:
-                skipped[DISTILLED] = f"needs two or more capability adapters to distil, have {len(envs)}"
-            else:
-                timing[DISTILLED] = paths.train_timing(DISTILLED, baseline=True)
-                manifests.append(train_adapter_mixture(
-                    model_dir, baselines["merged_data"](), distill_config(cfg), paths.adapter(DISTILLED, True),
-                    seed=params.seed, ledger=RolloutLedger(paths.train_ledger(DISTILLED, baseline=True)),
-                    name=DISTILLED, progress=progress, ckpt_dir=paths.checkpoint(DISTILLED, baseline=True),
-                    timing_path=timing[DISTILLED], teachers={m.capability_id: paths.adapter(m.capability_id)
-                                                             for m in envs}, **common))
+            done += [job.run(None) for job in rest + student]
+        manifests.extend(done)
     if rank > 0:  # process 0 writes the stage's outputs
         return {}
     write_jsonl(paths.adapter_manifests, manifests)

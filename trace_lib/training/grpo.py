@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
@@ -291,7 +291,7 @@ def _by_source(episodes: Sequence[Episode]) -> list[list[Episode]]:
 
 
 def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: int,
-         adapters: Sequence[str] | None = None) -> dict[str, float]:
+         adapters: Sequence[str] | None = None, temperatures: Mapping[str, float] | None = None) -> dict[str, float]:
     """Run the episodes to the end, batched per tool set; returns generation timings.
 
     With `train.continuous_batching` (and a model `Policy.play_turns` takes) each tool set's episodes are
@@ -299,8 +299,8 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
 
     `adapters` (one per episode): each episode is decoded under that LoRA adapter of `policy`'s model, all of
     them in the same batches (per-row routes, `agent/row_lora.py`; `training/lockstep.py` plays several
-    trainings' iterations so). Needs continuous batching. Without it every episode runs under the policy's
-    adapter.
+    trainings' iterations so), at `temperatures[adapter]` where given (else `train.temperature`). Needs
+    continuous batching. Without it every episode runs under the policy's adapter.
     """
     if adapters is not None and len(adapters) != len(episodes):
         raise ValueError(f"{len(adapters)} adapters for {len(episodes)} episodes")
@@ -322,9 +322,10 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
             keys = [ep.key if adapters is None else (adapter_of[id(ep)], *ep.key) for ep in batch]
             routed = {} if adapters is None else {
                 "routes": [{n: 1.0} for n in names], "row_routes": [names.index(adapter_of[id(ep)]) for ep in batch]}
+            temperature = cfg.temperature if not temperatures else [temperatures.get(n, cfg.temperature) for n in names]
             t0 = time.perf_counter()
             stepping = policy.play_turns(
-                [ep.sampling_ids() for ep in batch], next_turn, temperature=cfg.temperature, top_p=1.0,
+                [ep.sampling_ids() for ep in batch], next_turn, temperature=temperature, top_p=1.0,
                 max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62,
                 sessions=keys, processor=_turn_processor(policy, cfg, batch), **routed)
             gen_s += time.perf_counter() - t0 - stepping  # the environments' turns are not generating

@@ -23,22 +23,29 @@ on the schedule alone, not on thread timing, and the same seed gives the same by
 from __future__ import annotations
 
 import copy
+import hashlib
+import random
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from trace_lib.config import TrainConfig
+from trace_lib.io import dumps_json
 from trace_lib.training.grpo import Episode, play
 
 T = TypeVar("T")
 
-SAMPLING_KEYS = ("temperature", "max_new_tokens", "constrained", "tool_choice", "tool_result_tokens",
-                 "continuous_batching")
-"""The train settings a round's trainings must share: its episodes are decoded in one call."""
+SHARED_KEYS = ("max_new_tokens", "constrained", "tool_choice", "tool_result_tokens", "continuous_batching",
+               "groups", "group_size", "micro_batch")
+"""The train settings a round's trainings must share. The first five: the round's episodes are decoded in one
+call (each training samples at its own `temperature`). The last three set TRL's gradient accumulation steps,
+which Accelerate keeps in one process-wide state: every training must wait for its round at the same
+micro-step."""
 
 PLACEHOLDER = "_lockstep"
 """The sampling model's own adapter (PEFT needs one to wrap a model); no episode is decoded under it."""
@@ -73,8 +80,13 @@ def _grad_flags_kept(models: Sequence[Any]) -> Iterator[None]:
 class LockstepSampler:
     """The trainings' shared sampling: rounds of episodes from every expected training (module docstring).
 
-    `make_policy()` loads the sampling policy's base model (once, when the first training attaches); `seed`
-    seeds each round's decoding with the round's index."""
+    `make_policy()` loads the sampling policy's base model (once, when the first training attaches); a round's
+    decoding is seeded by `seed` and the (training, iteration) pairs it plays (`round_seed`).
+
+    Each training keeps its own random streams: the process-wide ones (torch, Python, NumPy) are saved when a
+    training hands in and restored when it goes on. TRL draws a permutation of the batch's rows from torch's
+    right after the rollout function returns, and the threads go on in whatever order the lock gives them;
+    without this, which training got which draw would depend on thread timing."""
 
     def __init__(self, make_policy: Callable[[], Any], seed: int) -> None:
         self._make_policy = make_policy
@@ -104,15 +116,23 @@ class LockstepSampler:
                 self.policy = self._make_policy()
                 self.policy.model = get_peft_model(self.policy.model, copy.deepcopy(config), adapter_name=PLACEHOLDER)
                 self.policy.model.requires_grad_(False).eval()
+            if not self.policy.plays_turns:
+                raise ValueError("train.lockstep decodes with Policy.play_turns, which this model's sliding-window "
+                                 "layers do not allow; set train.lockstep: false")
             target = self.policy.model
             target.add_adapter(name, copy.deepcopy(config))  # fresh weights, replaced by the training's below
-            theirs = dict(model.named_modules())
-            for key, layer in target.named_modules():
-                if isinstance(layer, LoraLayer) and name in layer.lora_A:
-                    if key not in theirs:
-                        raise ValueError(f"training {name!r} has no module {key!r}: its model is not the sampler's")
-                    layer.lora_A[name] = theirs[key].lora_A["default"]
-                    layer.lora_B[name] = theirs[key].lora_B["default"]
+            try:
+                theirs = dict(model.named_modules())
+                for key, layer in target.named_modules():
+                    if isinstance(layer, LoraLayer) and name in layer.lora_A:
+                        if key not in theirs:
+                            raise ValueError(f"training {name!r} has no module {key!r}: its model is not the "
+                                             "sampler's")
+                        layer.lora_A[name] = theirs[key].lora_A["default"]
+                        layer.lora_B[name] = theirs[key].lora_B["default"]
+            except BaseException:
+                target.delete_adapter(name)
+                raise
             self._models[name] = model
 
     def detach(self, name: str) -> None:
@@ -129,7 +149,7 @@ class LockstepSampler:
         """Hand in training `name`'s episodes of its `iteration` (0-based) and return once the round is played
         (the episodes then played to their ends), with the round's timings. A round is seeded with the
         iteration of its first training (in the jobs' order), so a lockstep resumed from one round's
-        checkpoints (`resume_point`) decodes as the uninterrupted one did."""
+        checkpoints (`resume_points`) decodes as the uninterrupted one did."""
         with self._cond:
             if name not in self._expected or name not in self._models:
                 raise RuntimeError(f"training {name!r} is not running in this lockstep (expected: "
@@ -137,14 +157,18 @@ class LockstepSampler:
             if name in self._handed:
                 raise RuntimeError(f"training {name!r} handed in twice in round {self.rounds}")
             self._handed[name] = (list(episodes), cfg, iteration)
+            streams = _random_states()
             round_ = self.rounds
-            while self.rounds == round_:
-                if self._failed:
-                    raise LockstepAborted(f"round {round_} not played: {self._failed}")
-                if self._expected <= self._handed.keys():
-                    self._play_round()
-                else:
-                    self._cond.wait()
+            try:
+                while self.rounds == round_:
+                    if self._failed:
+                        raise LockstepAborted(f"round {round_} not played: {self._failed}")
+                    if self._expected <= self._handed.keys():
+                        self._play_round()
+                    else:
+                        self._cond.wait()
+            finally:
+                _set_random_states(streams)
             return self._timing.pop(name)
 
     def _play_round(self) -> None:
@@ -152,14 +176,15 @@ class LockstepSampler:
         cfg = self._handed[names[0]][1]
         for n in names[1:]:
             other = self._handed[n][1]
-            differ = [k for k in SAMPLING_KEYS if getattr(other, k) != getattr(cfg, k)]
+            differ = [k for k in SHARED_KEYS if getattr(other, k) != getattr(cfg, k)]
             if differ:
                 raise ValueError(f"trainings {names[0]!r} and {n!r} differ in {differ}: one round decodes both")
         episodes = [ep for n in names for ep in self._handed[n][0]]
         adapters = [n for n in names for _ in self._handed[n][0]]
         self.policy.clear_prefix_cache()  # the weights changed since the last round
-        iteration = self._handed[names[0]][2]
-        timing = play(self.policy, episodes, cfg, seed=self.seed * 1_000_003 + iteration, adapters=adapters)
+        seed = round_seed(self.seed, [(n, self._handed[n][2]) for n in names])
+        timing = play(self.policy, episodes, cfg, seed=seed, adapters=adapters,
+                      temperatures={n: self._handed[n][1].temperature for n in names})
         shared = {**timing, "lockstep_round": self.rounds, "lockstep_trainings": len(names),
                   "lockstep_episodes": len(episodes)}
         self._timing.update({n: dict(shared) for n in names})
@@ -186,17 +211,52 @@ class LockstepSampler:
                 if not deps:
                     del self._waiting_for[job]
                     self._expected.add(job)
-            self.detach(name)
-            self._cond.notify_all()
+            try:
+                self.detach(name)
+            except BaseException as exc:
+                self._failed = self._failed or f"training {name!r}'s adapter could not leave the sampler: {exc!r}"
+                raise
+            finally:
+                self._cond.notify_all()
 
 
-def resume_point(latest: Mapping[str, int], final: Mapping[str, int]) -> int | None:
-    """The iteration trainings in lockstep resume from after a crash: the newest checkpoint (`latest`, 0 for
-    none) of the least advanced training that is not done (`final`: its last iteration). A kill between two
-    trainings' updates of a round leaves some a checkpoint ahead; resumed each from its own newest, their
-    rounds would hold other trainings than the uninterrupted run's. None: every training is done."""
-    going = [latest[n] for n in latest if latest[n] < final[n]]
-    return min(going) if going else None
+def round_seed(seed: int, plays: Sequence[tuple[str, int]]) -> int:
+    """The seed of a round that plays these (training, iteration) pairs: the same round after a resume draws as
+    the uninterrupted one, and no two rounds of a run share a seed."""
+    digest = hashlib.sha256(dumps_json([seed, [list(p) for p in plays]]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 2**62
+
+
+def _random_states() -> tuple[Any, ...]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def _set_random_states(states: tuple[Any, ...]) -> None:
+    cpu, cuda, py, npy = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def resume_points(latest: Mapping[str, int], final: Mapping[str, int], first: Mapping[str, int] | None = None
+                  ) -> dict[str, int | None]:
+    """The iteration each training in lockstep resumes from after a crash (`train_adapter_mixture`'s
+    `resume_at_most`): all of them resume from one round, the newest that every unfinished training has a
+    checkpoint of. `latest`: each training's newest checkpoint (0: none); `final`: its last iteration; `first`:
+    the round it started in (0 where missing: a training that waited for others starts later). A kill between
+    two trainings' updates of a round leaves some a checkpoint ahead; resumed each from its own newest, the
+    rounds would hold other trainings than the uninterrupted run's. None: every training is done (each keeps
+    its own). A training whose checkpoints were saved under another configuration starts over by itself (the
+    trainer checks their fingerprint), and the rounds then differ from an uninterrupted run's."""
+    first = first or {}
+    going = [first.get(n, 0) + latest[n] for n in latest if latest[n] < final[n]]
+    if not going:
+        return dict.fromkeys(latest)
+    cut = min(going)
+    return {n: max(cut - first.get(n, 0), 0) for n in latest}
 
 
 def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> list[T]:
