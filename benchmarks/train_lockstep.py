@@ -10,8 +10,10 @@ rendered for the retail target as the template synthesizer writes them), GRPO on
                 in one batch, each under its own adapter
 
 Reported per arm: wall seconds, rollouts, seconds per rollout, the time spent decoding episodes (each
-`play` call's generate seconds; in lockstep once per round), decoding steps are not counted, agent tokens
-decoded, trained tokens and each training's mean reward. The arms play different episodes (other batches,
+`play` call's generate seconds; in lockstep once per round), agent tokens decoded, trained tokens, each
+training's mean reward, and the process's largest resident memory during the arm (sampled every 0.2 s).
+`--no-memory-release` runs the lockstep arm without `lockstep.share_malloc_arenas` and `release_free_memory`
+(both process-wide: run that arm in a process of its own, first). The arms play different episodes (other batches,
 other generators), so rewards and token counts differ; the comparison is the time per rollout and per
 decoded agent token.
 
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -42,6 +46,28 @@ from trace_lib.training.lockstep import LockstepJob, LockstepSampler, run_lockst
 from trace_lib.training.trainer import read_timing, read_train_log, train_adapter_mixture, train_dtype
 
 
+class RssPeak:
+    """The largest resident set size of this process (MB) from construction to `stop()`."""
+
+    def __init__(self, every: float = 0.2) -> None:
+        self.peak, self._done = 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, every: float) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while True:
+            with open("/proc/self/statm") as f:
+                self.peak = max(self.peak, int(f.read().split()[1]) * page)
+            if self._done.wait(every):
+                return
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return round(self.peak / 2**20)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default="data/model")
@@ -50,7 +76,12 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--order", default="sequential,lockstep")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument("--no-memory-release", action="store_true")
     args = ap.parse_args()
+    if args.no_memory_release:
+        import trace_lib.training.lockstep as lockstep_mod
+
+        lockstep_mod.share_malloc_arenas = lockstep_mod.release_free_memory = lambda: None
     params = load_params("params.yaml")
     cfg = params.train.model_copy(update={"iterations": args.iterations, "save_every": args.iterations,
                                           "snapshots": False})
@@ -84,6 +115,7 @@ def main() -> None:
                                              ledger=RolloutLedger(root / f"{name}.jsonl"), name=name, sampler=sampler,
                                              tool_format=params.model.tool_format)
 
+            peak = RssPeak()
             t0 = time.perf_counter()
             if arm == "lockstep":
                 sampler = LockstepSampler(lambda: load_policy(Path(args.model_dir), dtype=train_dtype(cfg),
@@ -94,6 +126,7 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown arm {arm!r}")
             wall = time.perf_counter() - t0
+            peak_mb = peak.stop()
             rounds: dict[tuple, float] = {}
             for n in sources:
                 for i, t in enumerate(read_timing(root / f"{n}.timing.json")["iterations"]):
@@ -107,17 +140,18 @@ def main() -> None:
                 "decoding_seconds": round(decode, 1), "decoding_calls": len(rounds), "agent_tokens": tokens,
                 "decoding_ms_per_agent_token": round(1000 * decode / tokens, 1),
                 "trained_tokens": sum(r["trained_tokens"] for log in logs.values() for r in log),
-                "mean_reward": {n: round(sum(r["reward"] for r in log) / len(log), 3) for n, log in logs.items()}}
+                "mean_reward": {n: round(sum(r["reward"] for r in log) / len(log), 3) for n, log in logs.items()},
+                "peak_rss_mb": peak_mb}
             print(arm, json.dumps(results[arm]), flush=True)
     print(f"\ntrainings={list(sources)} iterations={args.iterations} groups={cfg.groups} group_size={cfg.group_size} "
           f"threads={torch.get_num_threads()} torch={torch.__version__}")
     first = next(iter(results.values()))
     print("| arm | rollouts | wall s | s/rollout | decoding s | ms per agent token | agent tokens | trained tokens | "
-          "vs first |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "peak RSS MB | vs first |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for arm, r in results.items():
         print(f"| {arm} | {r['rollouts']} | {r['wall_seconds']} | {r['seconds_per_rollout']} | {r['decoding_seconds']} | "
-              f"{r['decoding_ms_per_agent_token']} | {r['agent_tokens']} | {r['trained_tokens']} | "
+              f"{r['decoding_ms_per_agent_token']} | {r['agent_tokens']} | {r['trained_tokens']} | {r['peak_rss_mb']} | "
               f"{r['seconds_per_rollout'] / first['seconds_per_rollout']:.2f}x |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -216,7 +216,7 @@ def repo(tmp_path_factory, tiny_model_dir) -> Path:
     # two checkpoints per adapter, each two iterations after the last: room for a kill between them; no
     # baselines and no distilled student (the cpu profile's), so the kill points stay on the capability adapters
     train = {"iterations": 4, "save_every": 2, "groups": 1, "group_size": 2, "max_new_tokens": 8,
-             "max_steps_per_episode": 2, "threads": 1, "baselines": [], "distill": {"iterations": 0}}
+             "max_steps_per_episode": 2, "threads": 1, "baselines": [], "distill": {"iterations": 0}, "lockstep": True}
     return make_scratch_repo(tmp_path_factory.mktemp("crash_repo"), rules_params(Path(tiny_model_dir), train))
 
 
@@ -256,8 +256,8 @@ def test_rollout_killed_early_then_mid_stage(repo: Path, ref: dict):
 
 def test_train_killed_before_and_after_a_checkpoint_resumes_without_double_counting(repo: Path, ref: dict):
     """Killed once the first adapter's ledger has rows but before any checkpoint (they are redone, not counted
-    twice), then, rerun, killed once the second adapter passed its first checkpoint. The cpu profile trains the
-    adapters in lockstep (`train.lockstep`), so the kill may fall between two adapters' updates of a round: the
+    twice), then, rerun, killed once the second adapter passed its first checkpoint. The adapters train in
+    lockstep here (`train.lockstep`), so the kill may fall between two adapters' updates of a round: the
     rerun resumes every adapter from the newest checkpoint all unfinished ones have (`lockstep.resume_points`)
     and ends with the uninterrupted run's bytes."""
     names = ref["adapters"][:2]

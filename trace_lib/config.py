@@ -566,9 +566,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
         # default's ~30 minutes (2026-11-26)
         # the distilled student: 2 iterations (16 rollouts) on the synthetic mixture, its capability adapters teaching
-        # the capability adapters and the baselines trained in lockstep, their episodes decoded together
+        # not in lockstep (`train.lockstep`): 0.86x the time, but the default's train stage in lockstep ran out of the
+        # machine's 24 GB, and one iteration of it peaked at 14.6 GB against 5.7 (benchmarks/README.md: train_lockstep)
         "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16",
-                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}, "lockstep": True},
+                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}},
         # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
         # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
         # router chosen on the train split (agreement with the task tags, 2026-11-25 run): calibrated 0.50,

@@ -23,6 +23,7 @@ on the schedule alone, not on thread timing, and the same seed gives the same by
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import random
 import threading
@@ -158,6 +159,7 @@ class LockstepSampler:
                 raise RuntimeError(f"training {name!r} handed in twice in round {self.rounds}")
             self._handed[name] = (list(episodes), cfg, iteration)
             streams = _random_states()
+            release_free_memory()  # what this training's last update freed, before the others run
             round_ = self.rounds
             try:
                 while self.rounds == round_:
@@ -259,6 +261,33 @@ def resume_points(latest: Mapping[str, int], final: Mapping[str, int], first: Ma
     return {n: max(cut - first.get(n, 0), 0) for n in latest}
 
 
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its arenas are not the problem below
+        return None
+
+
+def share_malloc_arenas() -> None:
+    """Let new threads share glibc's existing malloc arenas instead of each making its own (M_ARENA_MAX 1).
+
+    Why: glibc gives every thread an arena, which keeps the memory the thread freed for the thread's next
+    allocations, and each training's update frees a few GB of activations. One iteration of the train stage's
+    four trainings in lockstep peaked at 19.2 GB with an arena per thread and 14.6 GB with this (the same
+    episodes; 2026-11-28, benchmarks/README.md: train_lockstep). Only one training runs at a time, so sharing
+    costs no contention."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(ctypes.c_int(-8), ctypes.c_int(1))  # M_ARENA_MAX
+
+
+def release_free_memory() -> None:
+    """Hand the memory malloc holds free back to the system (glibc's `malloc_trim`, every arena)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(ctypes.c_size_t(0))
+
+
 def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> list[T]:
     """Run the jobs' trainings in lockstep (module docstring); their results in the jobs' order. When one
     fails, the others stop at their next round and its error is raised here."""
@@ -270,6 +299,7 @@ def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> li
         if unknown:
             raise ValueError(f"job {job.name!r} waits for {unknown}, which are not earlier jobs")
     sampler._start_schedule(jobs)
+    share_malloc_arenas()
     results: dict[str, T] = {}
     errors: list[tuple[int, BaseException]] = []
 
