@@ -372,7 +372,9 @@ class TrainConfig(Section):
     costs nearly as much for one row as for eight on a CPU. The same trainings, sampled in other batches:
     their episodes differ from those of one training after another. The trainings run one after another where
     lockstep cannot be: several `processes`, no `continuous_batching`, or the Unsloth backend; a model with
-    sliding-window layers is refused (set it false there)."""
+    sliding-window layers is refused (set it false there). Off by default: every training's model and state
+    stay in memory, and the CPU default's train stage in lockstep ran out of a 24 GB machine
+    (benchmarks/README.md: train_lockstep)."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
