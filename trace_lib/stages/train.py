@@ -205,10 +205,11 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 and resolve_train_backend(cfg.backend) == "trl"):
             ckpt = {m.capability_id: paths.checkpoint(m.capability_id) for m in envs}
             ckpt.update({job.name: paths.checkpoint(job.name, baseline=True) for job in rest + student})
-            last = {m.capability_id: planned_rollouts(cfg) // per_iter for m in envs}
+            cap_iterations = planned_rollouts(cfg) // per_iter
+            last = dict.fromkeys((m.capability_id for m in envs), cap_iterations)
             last.update({job.name: planned_rollouts(bcfg) // per_iter for job in rest})
             last.update({DISTILLED: cfg.distill.iterations} if student else {})
-            first = {DISTILLED: planned_rollouts(cfg) // per_iter} if student else {}  # the round it starts in
+            first = {DISTILLED: cap_iterations} if student else {}  # the round it starts in
             resume.update(resume_points({n: max(checkpoint_iterations(c), default=0) for n, c in ckpt.items()},
                                         last, first))
             sampler = LockstepSampler(lambda: load_policy(model_dir, dtype=train_dtype(cfg),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import hashlib
 import random
 import threading
@@ -148,8 +149,8 @@ class LockstepSampler:
     # --- rounds -------------------------------------------------------------------------------------
     def play(self, name: str, episodes: Sequence[Episode], cfg: TrainConfig, iteration: int) -> dict[str, Any]:
         """Hand in training `name`'s episodes of its `iteration` (0-based) and return once the round is played
-        (the episodes then played to their ends), with the round's timings. A round is seeded with the
-        iteration of its first training (in the jobs' order), so a lockstep resumed from one round's
+        (the episodes then played to their ends), with the round's timings. A round is seeded by the
+        (training, iteration) pairs it plays (`round_seed`), so a lockstep resumed from one round's
         checkpoints (`resume_points`) decodes as the uninterrupted one did."""
         with self._cond:
             if name not in self._expected or name not in self._models:
@@ -261,6 +262,7 @@ def resume_points(latest: Mapping[str, int], final: Mapping[str, int], first: Ma
     return {n: max(cut - first.get(n, 0), 0) for n in latest}
 
 
+@functools.cache
 def _libc() -> Any:
     try:
         return ctypes.CDLL("libc.so.6")
@@ -303,7 +305,7 @@ def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> li
     results: dict[str, T] = {}
     errors: list[tuple[int, BaseException]] = []
 
-    def body(index: int, job: LockstepJob[T]) -> None:
+    def body(job: LockstepJob[T]) -> None:
         error: BaseException | None = None
         with sampler._cond:
             sampler._cond.wait_for(lambda: job.name in sampler._expected or sampler._failed is not None)
@@ -317,8 +319,7 @@ def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> li
             finally:
                 sampler._finish(job.name, error)
 
-    threads = [threading.Thread(target=body, args=(i, j), name=f"trace-lockstep-{j.name}", daemon=True)
-               for i, j in enumerate(jobs)]
+    threads = [threading.Thread(target=body, args=(j,), name=f"trace-lockstep-{j.name}", daemon=True) for j in jobs]
     for t in threads:
         t.start()
     for t in threads:
