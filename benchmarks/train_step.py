@@ -30,8 +30,12 @@ weights' dtype:
 format (rows named `ours[signature]`).
 
 Reported per row: seconds per trained rollout (sampling + update), of which sampling, and the ratio
-to the `trl` row. The environment is the template synthesizer's (`--capability`) for the retail
-target, served by the sandbox as in the train stage.
+to the `trl` row. The shared-prompt rows also report the loss pass's token positions (`update_positions`: every
+position its forward computes, padding included; `update_span_tokens`: the prefix tree's distinct tokens) and
+the floor these put under the update at `--peak-gflops` (`update_floor_per_rollout`: SmolLM2's linear layers,
+forward and the backward to the activations, at that rate; attention, the output layer and the LoRA weights'
+own gradients left out, so the real floor is higher). The environment is the template synthesizer's
+(`--capability`) for the retail target, served by the sandbox as in the train stage.
 
     python benchmarks/train_step.py --model-dir data/model --iterations 2 [--rows trl-env,trl,trl-bf16,ours]
 """
@@ -49,6 +53,7 @@ from datasets import Dataset
 from transformers import set_seed
 
 import trace_lib.agent.policy as policy_mod
+import trace_lib.training.shared_prompt as shared_prompt_mod
 from trace_lib.agent.model import resolve_model
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
@@ -70,6 +75,41 @@ ROWS = {
 }
 NO_STEMS = {"ours-nostem"}
 TRL_ENV_ROWS = {"trl-env": "float32", "trl-env-bf16": "bfloat16"}
+
+
+class UpdateTokens:
+    """Counts what the shared-prompt loss pass computes: each work unit's padded positions (b x widest span) and
+    its spans' own tokens. A measuring wrapper around `shared_prompt.work_units`, installed by `counting`."""
+
+    def __init__(self) -> None:
+        self.positions = 0
+        self.span_tokens = 0
+        self.passes = 0
+
+    def counting(self):
+        inner = shared_prompt_mod.work_units
+
+        def work_units(spans, *a, **kw):
+            units = inner(spans, *a, **kw)
+            self.passes += 1
+            for unit in units:
+                lens = [spans[j].end - spans[unit[0]].start for j in unit]
+                self.positions += len(unit) * max(lens)
+                self.span_tokens += sum(spans[j].end - spans[j].start for j in unit)
+            return units
+
+        shared_prompt_mod.work_units = work_units
+        return inner
+
+
+def linear_gflop_per_token(model_dir: Path) -> float:
+    """GFLOP of one token's forward through the decoder's linear layers (2 x their weights; no embedding or output
+    layer), from the prepared model's config."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    d, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim") or d // heads
+    per_layer = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * inter
+    return 2 * per_layer * c["num_hidden_layers"] / 1e9
 
 
 def run_trl_environment_factory(model_dir: Path, box: SandboxProcess, params, cfg, capability: str, out: Path,
@@ -151,6 +191,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="trl,ours")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument("--peak-gflops", type=float, default=256.0,
+                    help="the machine's bf16 matrix rate for update_floor_per_rollout (linear_dtype.py measures it)")
     ap.add_argument("--tool-formats", default="", help="comma list of model.tool_format values: each row once per "
                                                         "format (default: the prepared model's, once)")
     args = ap.parse_args()
@@ -187,11 +229,18 @@ def main() -> None:
                 else:
                     cfg = base.model_copy(update=ROWS[row])
                     policy_mod.MIN_STEM_SAVING = 10**9 if row in NO_STEMS else stem_saving
+                    counter = UpdateTokens()
+                    inner = counter.counting()
                     t0 = time.perf_counter()
-                    manifest = train_adapter_mixture(model_dir, [source], cfg, out, seed=params.seed,
-                                                     ledger=RolloutLedger(Path(tmp) / f"{name}.ledger.jsonl"),
-                                                     name=row)
+                    try:
+                        manifest = train_adapter_mixture(model_dir, [source], cfg, out, seed=params.seed,
+                                                         ledger=RolloutLedger(Path(tmp) / f"{name}.ledger.jsonl"),
+                                                         name=row)
+                    finally:
+                        shared_prompt_mod.work_units = inner
                     wall = time.perf_counter() - t0
+                    n = max(manifest.rollouts_used, 1)
+                    floor = counter.positions * 2 * linear_gflop_per_token(model_dir) / args.peak_gflops / n
                     timing = read_timing(default_timing_path(out))["iterations"]
                     log = read_train_log(out)
                     results[name] = row_result(
@@ -199,7 +248,10 @@ def main() -> None:
                         sum(t.get("rollout_seconds", 0.0) for t in timing), sum(r["trained_tokens"] for r in log),
                         sum(r["completion_tokens"] for r in log), [r["reward"] for r in log],
                         **{key: round(sum(t.get(key, 0) for t in timing), 2) for key in
-                           ("prefill_seconds", "decode_seconds", "prompt_tokens_computed")})
+                           ("prefill_seconds", "decode_seconds", "prompt_tokens_computed")},
+                        **({"update_positions": counter.positions, "update_span_tokens": counter.span_tokens,
+                            "update_passes": counter.passes,
+                            "update_floor_per_rollout": round(floor, 2)} if counter.positions else {}))
                 print(name, json.dumps(results[name]), flush=True)
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "
           f"group_size={base.group_size} threads={args.threads} torch={torch.__version__}")
