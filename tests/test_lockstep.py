@@ -4,6 +4,7 @@ decodes every episode under its own training's adapter, the schedule is determin
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from trace_lib.agent.policy import load_policy
 from trace_lib.config import TrainConfig
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource, play, start_episode
+import trace_lib.training.lockstep as lockstep
 from trace_lib.training.lockstep import LockstepAborted, LockstepJob, LockstepSampler, resume_points, run_lockstep
 from trace_lib.training.trainer import (
     checkpoint_iterations,
@@ -159,6 +161,25 @@ def test_a_failed_training_stops_the_others_and_its_error_is_raised():
     with pytest.raises(ValueError, match="broken environment"):
         run_lockstep([LockstepJob("ok", waits), LockstepJob("bad", fails)], sampler)
     assert len(stopped) == 1 and "'bad' failed" in stopped[0] and "broken environment" in stopped[0]
+
+
+def test_a_round_decodes_under_the_decoding_malloc_threshold_and_the_updates_run_under_the_update_one(monkeypatch):
+    thresholds, during_play = [], []
+    monkeypatch.setattr(lockstep, "set_mmap_threshold", thresholds.append)
+    monkeypatch.setattr(lockstep, "play", lambda *a, **kw: during_play.append(thresholds[-1]) or {})
+    sampler = LockstepSampler(lambda: None, seed=0)
+    sampler.policy = SimpleNamespace(clear_prefix_cache=lambda: None)
+    sampler._models = {"ok": object()}  # as if attached
+    sampler.detach = lambda name: None
+
+    def trains(s):
+        before = thresholds[-1]
+        s.play("ok", [], TrainConfig(), 0)
+        return before, thresholds[-1]
+
+    assert run_lockstep([LockstepJob("ok", trains)], sampler) == [(lockstep.UPDATE_MMAP_THRESHOLD,) * 2]
+    assert during_play == [lockstep.DECODING_MMAP_THRESHOLD]
+    assert lockstep.UPDATE_MMAP_THRESHOLD < lockstep.DECODING_MMAP_THRESHOLD
 
 
 def test_jobs_must_have_distinct_names_and_wait_only_for_earlier_jobs():

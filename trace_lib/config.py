@@ -372,9 +372,9 @@ class TrainConfig(Section):
     costs nearly as much for one row as for eight on a CPU. The same trainings, sampled in other batches:
     their episodes differ from those of one training after another. The trainings run one after another where
     lockstep cannot be: several `processes`, no `continuous_batching`, or the Unsloth backend; a model with
-    sliding-window layers is refused (set it false there). Off by default: every training's model and state
-    stay in memory, and the CPU default's train stage in lockstep ran out of a 24 GB machine
-    (benchmarks/README.md: train_lockstep)."""
+    sliding-window layers is refused (set it false there). Off by default: the CPU default's whole train stage
+    in lockstep took as long as one training after another (14 min 20 s against 14 min 4 s, other episodes;
+    8.7 GB resident at most; benchmarks/README.md: train_lockstep)."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
@@ -568,8 +568,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
         # default's ~30 minutes (2026-11-26)
         # the distilled student: 2 iterations (16 rollouts) on the synthetic mixture, its capability adapters teaching
-        # not in lockstep (`train.lockstep`): 0.86x the time, but the default's train stage in lockstep ran out of the
-        # machine's 24 GB, and one iteration of it peaked at 14.6 GB against 5.7 (benchmarks/README.md: train_lockstep)
+        # not in lockstep (`train.lockstep`): 0.86x the time on 2 iterations of the four GRPO trainings, but the
+        # whole train stage took as long either way (2026-11-28, benchmarks/README.md: train_lockstep)
         "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16",
                   "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}},
         # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and

@@ -186,8 +186,12 @@ class LockstepSampler:
         adapters = [n for n in names for _ in self._handed[n][0]]
         self.policy.clear_prefix_cache()  # the weights changed since the last round
         seed = round_seed(self.seed, [(n, self._handed[n][2]) for n in names])
-        timing = play(self.policy, episodes, cfg, seed=seed, adapters=adapters,
-                      temperatures={n: self._handed[n][1].temperature for n in names})
+        set_mmap_threshold(DECODING_MMAP_THRESHOLD)
+        try:
+            timing = play(self.policy, episodes, cfg, seed=seed, adapters=adapters,
+                          temperatures={n: self._handed[n][1].temperature for n in names})
+        finally:
+            set_mmap_threshold(UPDATE_MMAP_THRESHOLD)
         shared = {**timing, "lockstep_round": self.rounds, "lockstep_trainings": len(names),
                   "lockstep_episodes": len(episodes)}
         self._timing.update({n: dict(shared) for n in names})
@@ -283,6 +287,29 @@ def share_malloc_arenas() -> None:
         libc.mallopt(ctypes.c_int(-8), ctypes.c_int(1))  # M_ARENA_MAX
 
 
+DECODING_MMAP_THRESHOLD = 32 * 2**20
+"""Blocks from this size get pages of their own while a round decodes (glibc's `M_MMAP_THRESHOLD`): 32 MB, the
+largest its own adjustment reaches, so a decoding step's many small tensors come from malloc's heap."""
+
+UPDATE_MMAP_THRESHOLD = 128 * 2**10
+"""The same during the trainings' updates: 128 KB, glibc's starting value, so an update's activations are handed
+back to the system as they are freed.
+
+Why the two: with glibc's own (rising) threshold, one iteration of the train stage's four trainings in lockstep
+peaked at 13.7 GB, of which ~6 GB were freed blocks of 128 KB to 2 MB that malloc kept (fragmented: `malloc_trim`
+does not return them). A 128 KB threshold throughout peaked at 7.5 GB but faulted in fresh pages for every
+decoding step's tensors (1.38x the time); only during the updates, 8.05 GB at 1.05x (the same episodes;
+2026-11-28, benchmarks/README.md: train_lockstep). Setting the threshold turns glibc's adjustment off for the
+rest of the process."""
+
+
+def set_mmap_threshold(size: int) -> None:
+    """glibc's `M_MMAP_THRESHOLD`: blocks of `size` bytes or more get pages of their own, returned when freed."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(size))  # M_MMAP_THRESHOLD
+
+
 def release_free_memory() -> None:
     """Hand the memory malloc holds free back to the system (glibc's `malloc_trim`, every arena)."""
     libc = _libc()
@@ -302,6 +329,7 @@ def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> li
             raise ValueError(f"job {job.name!r} waits for {unknown}, which are not earlier jobs")
     sampler._start_schedule(jobs)
     share_malloc_arenas()
+    set_mmap_threshold(UPDATE_MMAP_THRESHOLD)  # a round's decoding raises it while it runs
     results: dict[str, T] = {}
     errors: list[tuple[int, BaseException]] = []
 
