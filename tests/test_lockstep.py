@@ -179,6 +179,7 @@ def test_a_round_decodes_under_the_decoding_malloc_threshold_and_the_updates_run
 
     assert run_lockstep([LockstepJob("ok", trains)], sampler) == [(lockstep.UPDATE_MMAP_THRESHOLD,) * 2]
     assert during_play == [lockstep.DECODING_MMAP_THRESHOLD]
+    assert thresholds[-1] == lockstep.DECODING_MMAP_THRESHOLD  # not the updates' once the lockstep is over
     assert lockstep.UPDATE_MMAP_THRESHOLD < lockstep.DECODING_MMAP_THRESHOLD
 
 

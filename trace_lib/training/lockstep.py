@@ -288,16 +288,17 @@ def share_malloc_arenas() -> None:
 
 
 DECODING_MMAP_THRESHOLD = 32 * 2**20
-"""Blocks from this size get pages of their own while a round decodes (glibc's `M_MMAP_THRESHOLD`): 32 MB, the
-largest its own adjustment reaches, so a decoding step's many small tensors come from malloc's heap."""
+"""Blocks from this size get pages of their own while a round decodes and once the lockstep is over (glibc's
+`M_MMAP_THRESHOLD`): 32 MB, the largest its own adjustment reaches, so a decoding step's many small tensors come
+from malloc's heap, and the rest of the process (a notebook, a test session) does not pay for fresh pages."""
 
 UPDATE_MMAP_THRESHOLD = 128 * 2**10
 """The same during the trainings' updates: 128 KB, glibc's starting value, so an update's activations are handed
 back to the system as they are freed.
 
 Why the two: with glibc's own (rising) threshold, one iteration of the train stage's four trainings in lockstep
-peaked at 13.7 GB, of which ~6 GB were freed blocks of 128 KB to 2 MB that malloc kept (fragmented: `malloc_trim`
-does not return them). A 128 KB threshold throughout peaked at 7.5 GB but faulted in fresh pages for every
+peaked at 13.7 GB, of which ~6 GB were freed blocks of 128 KB to 2 MB that malloc kept (`malloc_trim` did not
+return them). A 128 KB threshold throughout peaked at 7.5 GB but faulted in fresh pages for every
 decoding step's tensors (1.38x the time); only during the updates, 8.05 GB at 1.05x (the same episodes;
 2026-11-28, benchmarks/README.md: train_lockstep). Setting the threshold turns glibc's adjustment off for the
 rest of the process."""
@@ -348,10 +349,13 @@ def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> li
                 sampler._finish(job.name, error)
 
     threads = [threading.Thread(target=body, args=(j,), name=f"trace-lockstep-{j.name}", daemon=True) for j in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        set_mmap_threshold(DECODING_MMAP_THRESHOLD)  # the updates' setting would slow whatever the process does next
     if errors:  # the failure itself, not the stops it caused in the others
         raise min(errors, key=lambda e: e[0])[1]
     return [results[n] for n in names]
