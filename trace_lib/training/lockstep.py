@@ -274,6 +274,13 @@ def _libc() -> Any:
         return None
 
 
+def _glibc(function: str, *args: Any) -> None:
+    """Call glibc's `function` with `args`; nothing where the C library is not glibc or lacks it."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, function):
+        getattr(libc, function)(*args)
+
+
 def share_malloc_arenas() -> None:
     """Let new threads share glibc's existing malloc arenas instead of each making its own (M_ARENA_MAX 1).
 
@@ -282,9 +289,7 @@ def share_malloc_arenas() -> None:
     four trainings in lockstep peaked at 19.2 GB with an arena per thread and 14.6 GB with this (the same
     episodes; 2026-11-28, benchmarks/README.md: train_lockstep). Only one training runs at a time, so sharing
     costs no contention."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(ctypes.c_int(-8), ctypes.c_int(1))  # M_ARENA_MAX
+    _glibc("mallopt", ctypes.c_int(-8), ctypes.c_int(1))  # M_ARENA_MAX
 
 
 DECODING_MMAP_THRESHOLD = 32 * 2**20
@@ -306,16 +311,12 @@ rest of the process."""
 
 def set_mmap_threshold(size: int) -> None:
     """glibc's `M_MMAP_THRESHOLD`: blocks of `size` bytes or more get pages of their own, returned when freed."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(size))  # M_MMAP_THRESHOLD
+    _glibc("mallopt", ctypes.c_int(-3), ctypes.c_int(size))  # M_MMAP_THRESHOLD
 
 
 def release_free_memory() -> None:
     """Hand the memory malloc holds free back to the system (glibc's `malloc_trim`, every arena)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(ctypes.c_size_t(0))
+    _glibc("malloc_trim", ctypes.c_size_t(0))
 
 
 def run_lockstep(jobs: Sequence[LockstepJob[T]], sampler: LockstepSampler) -> list[T]:
