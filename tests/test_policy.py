@@ -200,6 +200,32 @@ def test_bad_arguments_raise_clearly(policy, tmp_path):
         load_policy(tmp_path, dtype="int3")
 
 
+@pytest.mark.parametrize("kernels, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_computes_in_bf16_only_where_the_device_has_bf16_kernels(tiny_model_dir, monkeypatch, kernels,
+                                                                           expected):
+    import trace_lib.agent.model as model_mod
+    from trace_lib.config import TrainConfig
+    from trace_lib.training.trainer import train_dtype
+
+    monkeypatch.setattr(model_mod, "has_bf16_kernels", lambda device: kernels)
+    assert model_mod.compute_dtype("auto", torch.device("cpu")) == str(expected).removeprefix("torch.")
+    assert model_mod.compute_dtype("float32", torch.device("cpu")) == "float32"  # an explicit dtype is kept
+    assert model_mod.compute_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
+    assert load_policy(tiny_model_dir, dtype="auto", device="cpu").model.dtype == expected
+    assert train_dtype(TrainConfig(dtype="auto")) == str(expected).removeprefix("torch.")
+    assert train_dtype(TrainConfig(dtype="bfloat16")) == "bfloat16"
+
+
+def test_bf16_kernels_are_reported_for_the_cpu_and_recorded_in_numerics(monkeypatch):
+    from trace_lib.agent.model import has_bf16_kernels, numerics
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert has_bf16_kernels(torch.device("cpu")) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert numerics()["cpu_bf16_kernels"] == has_bf16_kernels(torch.device("cpu"))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # pinned below AVX-512: computed as an AVX2 CPU computes
+    assert has_bf16_kernels(torch.device("cpu")) is False
+
+
 def test_threads_and_model_json_pointer(tiny_model_dir, tmp_path):
     old = torch.get_num_threads()
     try:

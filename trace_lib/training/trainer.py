@@ -145,10 +145,12 @@ def stable_target_modules(model: Any) -> None:
 
 
 def train_dtype(cfg: TrainConfig) -> str:
-    """The base weights' dtype while training (`train.dtype`; 'auto': bfloat16 on CUDA, float32 on CPU)."""
-    import torch
+    """The base weights' dtype while training (`train.dtype`; 'auto': bfloat16 where the training device has
+    bf16 kernels, CUDA or a CPU with oneDNN's AVX-512/AMX bf16, else float32: `agent.model.compute_dtype`)."""
+    from trace_lib.agent.model import compute_dtype
+    from trace_lib.agent.policy import resolve_device
 
-    return cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    return compute_dtype(cfg.dtype, resolve_device("auto"))
 
 
 def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, tool_format: str | None = None):
