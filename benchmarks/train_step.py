@@ -10,8 +10,9 @@ weights' dtype:
                micro-batch (the pipeline's setting before the shared-prompt pass)
     trl-bf16   the same with bf16 base weights (LoRA weights fp32)
     ours       training/shared_prompt.py: each group's prompt once, only the agent's tokens scored,
-               bf16 base weights, the whole iteration in one pass; episodes sampled with continuous
-               batching (`Policy.play_turns`)
+               the whole iteration in one pass; episodes sampled with continuous batching
+               (`Policy.play_turns`); base weights in the params' `train.dtype` (the CPU default's 'auto':
+               bf16 where the CPU has bf16 kernels, else fp32); `ours-bf16`, `ours-fp32`: either dtype
     ours-free  the same, sampled as TRL's loop samples: no grammar, no forced first tool call
     ours-turns  `ours` sampled turn by turn (`train.continuous_batching: false`): each turn of the live
                episodes one decoding call, which runs until its longest row stops
@@ -54,7 +55,7 @@ from transformers import set_seed
 
 import trace_lib.agent.policy as policy_mod
 import trace_lib.training.shared_prompt as shared_prompt_mod
-from trace_lib.agent.model import resolve_model
+from trace_lib.agent.model import has_bf16_kernels, resolve_model
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
@@ -67,7 +68,9 @@ from trace_lib.training.trainer import default_timing_path, read_timing, read_tr
 ROWS = {
     "trl": {"shared_prompt": False, "dtype": "float32"},
     "trl-bf16": {"shared_prompt": False, "dtype": "bfloat16"},
-    "ours": {"shared_prompt": True, "dtype": "bfloat16"},
+    "ours": {"shared_prompt": True},
+    "ours-bf16": {"shared_prompt": True, "dtype": "bfloat16"},
+    "ours-fp32": {"shared_prompt": True, "dtype": "float32"},
     # what TRL's environment_factory loop can do: no grammar, no forced first tool call
     "ours-free": {"shared_prompt": True, "dtype": "bfloat16", "constrained": False, "tool_choice": "auto"},
     "ours-turns": {"shared_prompt": True, "dtype": "bfloat16", "continuous_batching": False},
@@ -254,7 +257,9 @@ def main() -> None:
                             "update_floor_per_rollout": round(floor, 2)} if counter.positions else {}))
                 print(name, json.dumps(results[name]), flush=True)
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "
-          f"group_size={base.group_size} threads={args.threads} torch={torch.__version__}")
+          f"group_size={base.group_size} threads={args.threads} torch={torch.__version__} "
+          f"cpu_capability={torch.backends.cpu.get_cpu_capability()} "
+          f"cpu_bf16_kernels={has_bf16_kernels(torch.device('cpu'))}")
     refs = [ref for ref in ("trl-env", "trl") if ref in results]
     print("| row | rollouts | s/rollout | sampling s/rollout | update s/rollout |"
           + "".join(f" vs {ref} |" for ref in refs))
