@@ -15,9 +15,16 @@ import torch
 
 from trace_lib.config import TrainConfig
 from trace_lib.training import distributed
-from trace_lib.training.trainer import _micro_batch
+from trace_lib.training.trainer import _micro_batch, cpu_pass_rows
 
 TESTS = Path(__file__).parent
+
+
+@pytest.mark.parametrize("per_iter,group_size,rows", [
+    (8, 4, 8), (4, 4, 4), (32, 4, 8), (16, 8, 8), (24, 6, 6), (12, 3, 6), (64, 16, 16), (20, 4, 4)])
+def test_cpu_loss_pass_holds_at_most_8_rollouts_in_whole_groups(per_iter, group_size, rows):
+    assert cpu_pass_rows(per_iter, group_size) == rows
+    assert per_iter % rows == 0 and rows % group_size == 0
 
 
 def test_one_process_gathers_itself_and_leaves_gradients_alone():
@@ -34,6 +41,8 @@ def test_each_process_gets_whole_groups_or_a_clear_error():
     cfg = TrainConfig(groups=4, group_size=4)
     assert _micro_batch(cfg, 2) == 8  # CPU, shared prompt: one pass over the process's 2 groups
     assert _micro_batch(cfg.model_copy(update={"micro_batch": 4}), 2) == 4
+    assert _micro_batch(cfg) == 8  # one process, 16 rollouts: two passes of two whole groups (memory)
+    assert _micro_batch(cfg.model_copy(update={"micro_batch": 16})) == 16  # asked for: one pass
     with pytest.raises(ValueError, match="must be a multiple of the 3 training processes"):
         _micro_batch(cfg, 3)
     with pytest.raises(ValueError, match="must hold whole groups"):

@@ -405,8 +405,9 @@ class TrainConfig(Section):
     whole groups per iteration (one GPU each; gloo on a CPU), and the gradients are averaged. Needs
     `shared_prompt`; `groups` must be a multiple of it."""
     micro_batch: int = Field(0, ge=0)
-    """Episodes per forward/backward pass (0: on CPU the whole iteration with `shared_prompt`, else 1;
-    a group of K on CUDA); must divide groups x group_size (per process). Gradients are accumulated over
+    """Episodes per forward/backward pass (0: on CPU with `shared_prompt` the whole iteration up to 8 episodes,
+    else the most whole groups that fit in 8 (`trainer.CPU_PASS_ROWS`: memory), without it 1; a group of K on
+    CUDA); must divide groups x group_size (per process). Gradients are accumulated over
     the iteration (the loss is normalised by the iteration's token count), so only memory and float
     rounding depend on it. On CPU, 4 SmolLM2
     retail episodes (~2.7k tokens each) per pass peaked at 16.5 GB."""

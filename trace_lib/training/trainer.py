@@ -574,6 +574,24 @@ def planned_rollouts(cfg: TrainConfig) -> int:
     return min(cfg.iterations, (cfg.rollout_budget or cfg.iterations * per_iter) // per_iter) * per_iter
 
 
+CPU_PASS_ROWS = 8
+"""On CPU with the shared prompt, the most rollouts one loss pass takes when `train.micro_batch` is 0. The pass
+keeps every token position's activations until TRL's backward: by our count of what autograd saves in a SmolLM2
+layer, ~1.5 MB per position in fp32 and half that in bf16. The cpu profile's iteration (G2 x K4, 8 rollouts)
+is one pass, as before; G8 x K4 in one fp32 pass (an AVX2 CPU, `dtype: auto`) was killed by the kernel for
+memory at 24 GB
+(`benchmarks/capability_transfer.py`, 2026-11-29; benchmarks/README.md, train_step.py)."""
+
+
+def cpu_pass_rows(per_iter: int, group_size: int, cap: int = CPU_PASS_ROWS) -> int:
+    """Rollouts per loss pass on CPU: the whole iteration when it holds at most `cap`, else the most whole
+    groups of K that fit in `cap` and divide the iteration (one group when K alone is more than `cap`)."""
+    if per_iter <= cap:
+        return per_iter
+    fits = [m for m in range(group_size, cap + 1, group_size) if per_iter % m == 0]
+    return max(fits, default=group_size)
+
+
 def _micro_batch(cfg: TrainConfig, processes: int = 1) -> int:
     """Rollouts per forward/backward pass of one process. With several processes each plays and trains
     `groups / processes` whole groups per iteration (the per-process batch a multiple of K)."""
@@ -584,8 +602,8 @@ def _micro_batch(cfg: TrainConfig, processes: int = 1) -> int:
     per_iter = cfg.groups * cfg.group_size // processes
     if torch.cuda.is_available():
         auto = cfg.group_size
-    else:  # with the shared prompt, one pass over the iteration (TRL shuffles rows across micro-batches)
-        auto = per_iter if cfg.shared_prompt else 1
+    else:  # with the shared prompt, up to CPU_PASS_ROWS per pass (TRL shuffles rows across micro-batches)
+        auto = cpu_pass_rows(per_iter, cfg.group_size) if cfg.shared_prompt else 1
     micro = cfg.micro_batch or auto
     if per_iter % micro:
         raise ValueError(f"train.micro_batch ({micro}) must divide the rollouts of an iteration per process "
