@@ -1,7 +1,7 @@
 """Do SmolLM2's linear layers run faster in bf16 or in fp32 on this CPU, at decoding and prefill shapes?
 
 The CPU default computes in bf16 where oneDNN has bf16 kernels and in fp32 elsewhere (`model.dtype: auto`):
-bf16 measured ~1.8x faster than fp32 on an AVX-512 AMD EPYC, and up to 6x slower on an AVX2-only one. Which
+bf16 measured ~1.8x faster than fp32 on an AVX-512 AMD EPYC, and up to 6.1x slower on an AVX2-only one. Which
 holds depends on the kernels the CPU gets (oneDNN with AMX, AVX-512 bf16, or neither), and a decoding step is nothing but matrix products with few rows. This
 times one model step's linear work, both dtypes side by side in one process, rows alternating:
 every projection of the 30 decoder layers (q, k, v, o, gate, up, down) and the output layer, for M

@@ -10,7 +10,8 @@ weights' dtype:
                micro-batch (the pipeline's setting before the shared-prompt pass)
     trl-bf16   the same with bf16 base weights (LoRA weights fp32)
     ours       training/shared_prompt.py: each group's prompt once, only the agent's tokens scored,
-               the whole iteration in one pass; episodes sampled with continuous batching
+               the iteration in passes of up to 8 rollouts in fp32, 32 in bf16 (`train.micro_batch: 0`);
+               episodes sampled with continuous batching
                (`Policy.play_turns`); base weights in the params' `train.dtype` (the CPU default's 'auto':
                bf16 where the CPU has bf16 kernels, else fp32); `ours-bf16`, `ours-fp32`: either dtype
     ours-free  the same, sampled as TRL's loop samples: no grammar, no forced first tool call

@@ -23,6 +23,20 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _auto_dtype_is_fp32_on_every_cpu(request, monkeypatch):
+    """`dtype: auto` computes in fp32 on any CPU inside the test process, so a test's numbers and tolerances
+    do not depend on whether this CPU has bf16 kernels (`agent.model.has_bf16_kernels`); tests marked
+    `cpu_bf16_kernels` see the real answer. Stages run by dvc or papermill (the e2e tests) are other
+    processes and take the machine's own answer, as `make repro` does."""
+    if request.node.get_closest_marker("cpu_bf16_kernels"):
+        return
+    from trace_lib.agent import model
+
+    real = model.has_bf16_kernels
+    monkeypatch.setattr(model, "has_bf16_kernels", lambda device: False if device.type == "cpu" else real(device))
+
+
 def _cached_tokenizer(cache_root: Path):
     """The SmolLM2 tokenizer with the trace chat template, parsed from the GGUF only on a cold cache."""
     from transformers import AutoTokenizer

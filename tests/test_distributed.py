@@ -20,11 +20,22 @@ from trace_lib.training.trainer import _micro_batch, cpu_pass_rows
 TESTS = Path(__file__).parent
 
 
-@pytest.mark.parametrize("per_iter,group_size,rows", [
-    (8, 4, 8), (4, 4, 4), (32, 4, 8), (16, 8, 8), (24, 6, 6), (12, 3, 6), (64, 16, 16), (20, 4, 4)])
-def test_cpu_loss_pass_holds_at_most_8_rollouts_in_whole_groups(per_iter, group_size, rows):
-    assert cpu_pass_rows(per_iter, group_size) == rows
+@pytest.mark.parametrize("per_iter,group_size,cap,rows", [
+    (8, 4, 8, 8), (4, 4, 8, 4), (32, 4, 8, 8), (16, 8, 8, 8), (24, 6, 8, 6), (12, 3, 8, 6), (64, 16, 8, 16),
+    (20, 4, 8, 4), (32, 4, 32, 32), (64, 4, 32, 32), (48, 4, 32, 24)])
+def test_a_cpu_loss_pass_holds_at_most_cap_rollouts_a_multiple_of_k(per_iter, group_size, cap, rows):
+    assert cpu_pass_rows(per_iter, group_size, cap) == rows
     assert per_iter % rows == 0 and rows % group_size == 0
+
+
+def test_the_cpu_pass_bound_follows_the_training_dtype(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = TrainConfig(groups=8, group_size=4)  # 32 rollouts an iteration
+    assert _micro_batch(cfg.model_copy(update={"dtype": "float32"})) == 8
+    assert _micro_batch(cfg.model_copy(update={"dtype": "bfloat16"})) == 32
+    assert _micro_batch(cfg) == 8  # auto: fp32 in the tests (conftest), as on a CPU without bf16 kernels
 
 
 def test_one_process_gathers_itself_and_leaves_gradients_alone():
@@ -41,7 +52,7 @@ def test_each_process_gets_whole_groups_or_a_clear_error():
     cfg = TrainConfig(groups=4, group_size=4)
     assert _micro_batch(cfg, 2) == 8  # CPU, shared prompt: one pass over the process's 2 groups
     assert _micro_batch(cfg.model_copy(update={"micro_batch": 4}), 2) == 4
-    assert _micro_batch(cfg) == 8  # one process, 16 rollouts: two passes of two whole groups (memory)
+    assert _micro_batch(cfg) == 8  # one process, 16 rollouts, fp32: two passes of 8 (memory)
     assert _micro_batch(cfg.model_copy(update={"micro_batch": 16})) == 16  # asked for: one pass
     with pytest.raises(ValueError, match="must be a multiple of the 3 training processes"):
         _micro_batch(cfg, 3)

@@ -216,6 +216,7 @@ def test_auto_dtype_computes_in_bf16_only_where_the_device_has_bf16_kernels(tiny
     assert train_dtype(TrainConfig(dtype="bfloat16")) == "bfloat16"
 
 
+@pytest.mark.cpu_bf16_kernels
 def test_bf16_kernels_are_reported_for_the_cpu_and_recorded_in_numerics(monkeypatch):
     from trace_lib.agent.model import has_bf16_kernels, numerics
 

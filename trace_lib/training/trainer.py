@@ -574,18 +574,19 @@ def planned_rollouts(cfg: TrainConfig) -> int:
     return min(cfg.iterations, (cfg.rollout_budget or cfg.iterations * per_iter) // per_iter) * per_iter
 
 
-CPU_PASS_ROWS = 8
-"""On CPU with the shared prompt, the most rollouts one loss pass takes when `train.micro_batch` is 0. The pass
-keeps every token position's activations until TRL's backward: by our count of what autograd saves in a SmolLM2
-layer, ~1.5 MB per position in fp32 and half that in bf16. The cpu profile's iteration (G2 x K4, 8 rollouts)
-is one pass, as before; G8 x K4 in one fp32 pass (an AVX2 CPU, `dtype: auto`) was killed by the kernel for
-memory at 24 GB
-(`benchmarks/capability_transfer.py`, 2026-11-29; benchmarks/README.md, train_step.py)."""
+CPU_PASS_ROWS = {"float32": 8, "bfloat16": 32}
+"""On CPU with the shared prompt, the most rollouts one loss pass takes when `train.micro_batch` is 0, by the
+training dtype. The pass keeps every token position's activations until TRL's backward; measured on 2-core
+machines with 24 GB. In fp32 (an AVX2 CPU's `dtype: auto`) a G8 x K4 iteration in one pass was killed for memory
+at 24 GB, and passes of 8 peaked at 16.5 GB resident (`benchmarks/capability_transfer.py`, 2026-11-29;
+benchmarks/README.md, train_step.py); in bf16 the same 32-rollout iterations ran as one pass on 2026-11-27
+(benchmarks/README.md, capability_transfer.py). The cpu profile's iteration (G2 x K4) is one pass in either."""
 
 
-def cpu_pass_rows(per_iter: int, group_size: int, cap: int = CPU_PASS_ROWS) -> int:
-    """Rollouts per loss pass on CPU: the whole iteration when it holds at most `cap`, else the most whole
-    groups of K that fit in `cap` and divide the iteration (one group when K alone is more than `cap`)."""
+def cpu_pass_rows(per_iter: int, group_size: int, cap: int) -> int:
+    """Rollouts per loss pass on CPU: the whole iteration when it holds at most `cap`, else the largest multiple
+    of K up to `cap` that divides the iteration (K when K alone is more than `cap`). A multiple of K, not whole
+    groups: TRL shuffles the iteration's rows before it splits them."""
     if per_iter <= cap:
         return per_iter
     fits = [m for m in range(group_size, cap + 1, group_size) if per_iter % m == 0]
@@ -603,7 +604,7 @@ def _micro_batch(cfg: TrainConfig, processes: int = 1) -> int:
     if torch.cuda.is_available():
         auto = cfg.group_size
     else:  # with the shared prompt, up to CPU_PASS_ROWS per pass (TRL shuffles rows across micro-batches)
-        auto = cpu_pass_rows(per_iter, cfg.group_size) if cfg.shared_prompt else 1
+        auto = cpu_pass_rows(per_iter, cfg.group_size, CPU_PASS_ROWS[train_dtype(cfg)]) if cfg.shared_prompt else 1
     micro = cfg.micro_batch or auto
     if per_iter % micro:
         raise ValueError(f"train.micro_batch ({micro}) must divide the rollouts of an iteration per process "
