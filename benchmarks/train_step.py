@@ -19,6 +19,12 @@ weights' dtype:
                episodes one decoding call, which runs until its longest row stops
     ours-nostem  `ours` with every row prefilling its own prompt (no shared stems: the K episodes of a
                group compute a tool result they all got K times; `agent/policy.py`)
+    ours-noprefix  `ours` with the start all of an iteration's rows share (system turn, tool list) computed in
+               each of its loss passes instead of once for all of them (`shared_prompt.SharedPrefix`); the same
+               with one pass per iteration
+    ours-shuffled  `ours-noprefix` with TRL's shuffle of the iteration's rows before they are split into loss
+               passes (the trainer before 2026-11-29): with several passes per iteration (e.g. G8 x K4 in fp32,
+               4 passes of 8) a pass holds rows of several groups instead of whole groups
     trl-env    TRL's own multi-turn loop instead of the train stage's: `GRPOTrainer(environment_factory=
                ...)` on the same synthetic environment (`envs.synthetic.to_trl_environment_factory`: one
                method per target tool, the task's customer opening from `reset`, the module's verdict as
@@ -48,6 +54,7 @@ import argparse
 import json
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -56,6 +63,7 @@ from transformers import set_seed
 
 import trace_lib.agent.policy as policy_mod
 import trace_lib.training.shared_prompt as shared_prompt_mod
+import trace_lib.training.trainer as trainer_mod
 from trace_lib.agent.model import has_bf16_kernels, resolve_model
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
@@ -64,7 +72,14 @@ from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
 from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
-from trace_lib.training.trainer import default_timing_path, read_timing, read_train_log, train_adapter_mixture
+from trace_lib.training.shared_prompt import SharedPrefix
+from trace_lib.training.trainer import (
+    default_timing_path,
+    read_timing,
+    read_train_log,
+    rows_in_order,
+    train_adapter_mixture,
+)
 
 ROWS = {
     "trl": {"shared_prompt": False, "dtype": "float32"},
@@ -76,22 +91,29 @@ ROWS = {
     "ours-free": {"shared_prompt": True, "dtype": "bfloat16", "constrained": False, "tool_choice": "auto"},
     "ours-turns": {"shared_prompt": True, "dtype": "bfloat16", "continuous_batching": False},
     "ours-nostem": {"shared_prompt": True, "dtype": "bfloat16"},
+    "ours-noprefix": {"shared_prompt": True},
+    "ours-shuffled": {"shared_prompt": True},
 }
 NO_STEMS = {"ours-nostem"}
+SHUFFLED = {"ours-shuffled"}
+NO_PREFIX = {"ours-noprefix", "ours-shuffled"}
 TRL_ENV_ROWS = {"trl-env": "float32", "trl-env-bf16": "bfloat16"}
 
 
 class UpdateTokens:
     """Counts what the shared-prompt loss pass computes: each work unit's padded positions (b x widest span) and
-    its spans' own tokens. A measuring wrapper around `shared_prompt.work_units`, installed by `counting`."""
+    its spans' own tokens; an iteration's shared prefix (`SharedPrefix`) once, where it is computed, and not in the
+    passes that continue from it. Measuring wrappers around `shared_prompt.work_units`, `SharedPrefix.ensure` and
+    the trainer's `grouped_logps`, installed by `counting`, which returns what puts the originals back."""
 
     def __init__(self) -> None:
         self.positions = 0
         self.span_tokens = 0
         self.passes = 0
+        self.prefix_tokens = 0
 
     def counting(self):
-        inner = shared_prompt_mod.work_units
+        inner, ensure, logps = shared_prompt_mod.work_units, SharedPrefix.ensure, trainer_mod.grouped_logps
 
         def work_units(spans, *a, **kw):
             units = inner(spans, *a, **kw)
@@ -102,8 +124,27 @@ class UpdateTokens:
                 self.span_tokens += sum(spans[j].end - spans[j].start for j in unit)
             return units
 
-        shared_prompt_mod.work_units = work_units
-        return inner
+        def counted_ensure(prefix, *a, **kw):
+            if prefix.cache is None:
+                self.positions += len(prefix)
+                self.span_tokens += len(prefix)
+                self.prefix_tokens += len(prefix)
+            return ensure(prefix, *a, **kw)
+
+        def counted_logps(*a, prefix=None, **kw):
+            out = logps(*a, prefix=prefix, **kw)
+            if prefix is not None and prefix.cache is not None:  # the pass continued from the prefix
+                self.positions -= len(prefix)
+                self.span_tokens -= len(prefix)
+            return out
+
+        shared_prompt_mod.work_units, SharedPrefix.ensure = work_units, counted_ensure
+        trainer_mod.grouped_logps = counted_logps
+
+        def restore() -> None:
+            shared_prompt_mod.work_units, SharedPrefix.ensure, trainer_mod.grouped_logps = inner, ensure, logps
+
+        return restore
 
 
 def linear_gflop_per_token(model_dir: Path) -> float:
@@ -234,14 +275,21 @@ def main() -> None:
                     cfg = base.model_copy(update=ROWS[row])
                     policy_mod.MIN_STEM_SAVING = 10**9 if row in NO_STEMS else stem_saving
                     counter = UpdateTokens()
-                    inner = counter.counting()
+                    restore = counter.counting()
+                    if row in SHUFFLED:  # TRL's own split: the rows shuffled, whatever the number of passes
+                        trainer_mod.rows_in_order = nullcontext
+                    min_prefix = trainer_mod.MIN_PREFIX_TOKENS
+                    if row in NO_PREFIX:
+                        trainer_mod.MIN_PREFIX_TOKENS = 10**9
                     t0 = time.perf_counter()
                     try:
                         manifest = train_adapter_mixture(model_dir, [source], cfg, out, seed=params.seed,
                                                          ledger=RolloutLedger(Path(tmp) / f"{name}.ledger.jsonl"),
                                                          name=row)
                     finally:
-                        shared_prompt_mod.work_units = inner
+                        restore()
+                        trainer_mod.rows_in_order = rows_in_order
+                        trainer_mod.MIN_PREFIX_TOKENS = min_prefix
                     wall = time.perf_counter() - t0
                     n = max(manifest.rollouts_used, 1)
                     floor = counter.positions * 2 * linear_gflop_per_token(model_dir) / args.peak_gflops / n
@@ -254,7 +302,7 @@ def main() -> None:
                         **{key: round(sum(t.get(key, 0) for t in timing), 2) for key in
                            ("prefill_seconds", "decode_seconds", "prompt_tokens_computed")},
                         **({"update_positions": counter.positions, "update_span_tokens": counter.span_tokens,
-                            "update_passes": counter.passes,
+                            "update_passes": counter.passes, "update_prefix_tokens": counter.prefix_tokens,
                             "update_floor_per_rollout": round(floor, 2)} if counter.positions else {}))
                 print(name, json.dumps(results[name]), flush=True)
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 
 from trace_lib.agent.policy import load_policy
 import trace_lib.training.shared_prompt as shared_prompt
-from trace_lib.training.shared_prompt import Span, grouped_logps, leaf_batches, shared_spans
+from trace_lib.training.shared_prompt import SharedPrefix, Span, grouped_logps, leaf_batches, shared_spans
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +224,45 @@ def test_a_prompt_is_never_shared_with_a_row_past_its_own_prompt(lora_model):
     assert torch.allclose(logps * score, ref * score, atol=1e-5)
     for a, b in zip(grads, ref_grads):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prompt_grad", [True, False])
+def test_a_prefix_computed_once_for_several_passes_gives_the_one_pass_logps_and_gradients(lora_model, prompt_grad):
+    """An iteration split in passes, the rows' common start computed once (`SharedPrefix`): each pass's log-probs
+    are the one-pass values, and the summed gradients once `backward()` has carried the prefix's part are the
+    one-pass gradients. The passes cover both cases: a pass whose common start is the prefix (rows 0 and 3) and
+    passes whose rows share more than it."""
+    ids, mask, width, score = _batch()
+    weights = torch.linspace(-1, 1, ids.shape[0])[:, None]
+    params = [p for p in lora_model.parameters() if p.requires_grad]
+    logps, _ = grouped_logps(lora_model, ids, mask, width, score, prompt_grad=prompt_grad)
+    ref_grads = torch.autograd.grad((logps * score * weights).sum(), params)
+
+    prefix = SharedPrefix(ids[0][mask[0].bool()][:4].tolist(), grad=prompt_grad)  # what all six rows start with
+    for p in params:
+        p.grad = None
+    try:
+        for rows in ([0, 3], [1, 2], [4, 5]):
+            part, _ = grouped_logps(lora_model, ids[rows], mask[rows], width, score[rows], prompt_grad=prompt_grad,
+                                    prefix=prefix)
+            assert prefix.cache is not None  # used, not run again
+            assert torch.allclose(part * score[rows], logps[rows] * score[rows], atol=1e-5)
+            (part * score[rows] * weights[rows]).sum().backward()
+        prefix.backward()
+        assert prefix.cache is None  # spent
+        for p, ref in zip(params, ref_grads):
+            assert torch.allclose(p.grad, ref, atol=1e-5, rtol=1e-4)
+    finally:
+        for p in params:
+            p.grad = None
+
+
+def test_a_prefix_some_row_does_not_start_with_is_not_used(lora_model):
+    ids, mask, width, score = _batch()
+    logps, _ = grouped_logps(lora_model, ids, mask, width, score)
+    other = SharedPrefix([5, 6, 7])
+    with torch.no_grad():
+        assert torch.equal(grouped_logps(lora_model, ids, mask, width, score, prefix=other)[0], logps.detach())
+    assert other.cache is None
+    assert not other.fits([[5, 6, 7, 8]], first_scored=[2])  # a scored position inside the prefix
+    assert other.fits([[5, 6, 7, 8], []], first_scored=[3, 0])

@@ -845,6 +845,60 @@ def test_prompt_grad_false_reaches_the_loss_pass(tiny_model_dir, tmp_path, monke
     assert seen and not any(seen)
 
 
+def test_an_iteration_in_several_passes_gives_each_pass_whole_groups(tiny_model_dir, tmp_path, monkeypatch):
+    """TRL shuffles an iteration's rows before it splits them into loss passes; with several passes the rows keep
+    their order, so each pass holds whole groups (whose rows share their task's opening in the prefix tree), and
+    TRL's shuffle is back in place afterwards."""
+    import trace_lib.training.trainer as train_mod
+    from trl.trainer import grpo_trainer
+
+    passes: list = []
+    real = train_mod.AgentGRPOTrainer.compute_loss
+
+    def spy(self, model, inputs, *args, **kwargs):
+        passes.append([tuple(row) for row in inputs["prompt_ids"].tolist()])
+        return real(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod.AgentGRPOTrainer, "compute_loss", spy)
+    shuffle = grpo_trainer.shuffle_sequence_dict
+    train(tiny_model_dir, tmp_path, iterations=1, groups=4, group_size=2, micro_batch=2)
+    assert len(passes) == 4 and all(len(rows) == 2 for rows in passes)
+    assert all(rows[0] == rows[1] for rows in passes)  # one group's two rows: the same task
+    assert len({rows[0] for rows in passes}) == 4  # four groups, one per pass
+    assert grpo_trainer.shuffle_sequence_dict is shuffle
+
+
+def test_several_passes_with_the_common_start_run_once_give_the_one_pass_gradient(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """An iteration in four passes, the rows' common start computed once for all of them (`SharedPrefix`), reaches
+    the same gradient before clipping as the iteration in one pass (the same episodes: sampling comes first)."""
+    import trace_lib.training.shared_prompt as shared_mod
+    import trace_lib.training.trainer as train_mod
+
+    monkeypatch.setattr(train_mod, "MIN_PREFIX_TOKENS", 1)  # the toy environment's prompts are short
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    runs: list[int] = []
+    real_average, real_ensure = train_mod.distributed.average_gradients, shared_mod.SharedPrefix.ensure
+
+    def capture(params):
+        params = list(params)
+        grads[runs[-1]] = {str(i): p.grad.clone() for i, p in enumerate(params) if p.grad is not None}
+        return real_average(params)
+
+    prefix_runs: list[int] = []
+    monkeypatch.setattr(train_mod.distributed, "average_gradients", capture)
+    monkeypatch.setattr(shared_mod.SharedPrefix, "ensure",
+                        lambda self, *a: prefix_runs.append(runs[-1]) or real_ensure(self, *a))
+    for micro in (8, 2):
+        runs.append(micro)
+        train(tiny_model_dir, tmp_path / str(micro), iterations=1, groups=4, group_size=2, micro_batch=micro)
+    assert prefix_runs and set(prefix_runs) == {2}  # only the split iteration computes the prefix on its own
+    assert grads[8].keys() == grads[2].keys() and grads[8]
+    assert any(float(g.abs().sum()) > 0 for g in grads[8].values())
+    for key, g in grads[8].items():
+        assert torch.allclose(grads[2][key], g, atol=1e-6, rtol=1e-4), key
+
+
 def test_grouped_logps_refuse_a_temperature_of_zero(tiny_model_dir):
     from trace_lib.training.shared_prompt import grouped_logps
 

@@ -203,6 +203,62 @@ def work_units(spans: Sequence[Span]) -> list[list[int]]:
     return [batch_of.get(j, [j]) for j in range(len(spans)) if j not in batch_of or batch_of[j][0] == j]
 
 
+class SharedPrefix:
+    """The tokens every row of an iteration starts with (the system turn and tool list), computed once for all of
+    the iteration's loss passes instead of once per pass.
+
+    The first pass that needs it runs the prefix (batch 1, with gradient unless `grad` is False) and keeps that
+    graph; the passes attend to detached copies of its keys and values (and of its last hidden state), which
+    collect the gradient every pass sends back. `backward()`, once after the last pass and before the optimizer
+    step, carries that sum into the weights: the same gradient as computing the prefix in every pass, since the
+    gradient through a shared stretch is the sum over the rows that attend to it."""
+
+    def __init__(self, tokens: Sequence[int], grad: bool = True) -> None:
+        self.tokens = list(tokens)
+        self.grad = grad
+        self.cache: DynamicCache | None = None
+        self.last: torch.Tensor | None = None
+        self._graph: list[torch.Tensor] = []
+        self._leaves: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def fits(self, seqs: Sequence[Sequence[int]], first_scored: Sequence[int]) -> bool:
+        """Whether every sequence starts with the prefix and scores no position inside it (a position scored at
+        the prefix's last token would need that token's hidden state, which this keeps; inside, nothing is)."""
+        n = len(self.tokens)
+        return n > 0 and all(list(s[:n]) == self.tokens and f >= n for s, f in zip(seqs, first_scored) if len(s))
+
+    def ensure(self, decoder: Any, device: torch.device) -> None:
+        """Run the prefix once (the first pass of the iteration that uses it)."""
+        if self.cache is not None:
+            return
+        ids = torch.tensor([self.tokens], device=device)
+        cache = DynamicCache()
+        with nullcontext() if self.grad else torch.no_grad():
+            hidden = decoder(input_ids=ids, position_ids=torch.arange(len(self.tokens), device=device)[None],
+                             past_key_values=cache, use_cache=True).last_hidden_state[:, -1:]
+        self.cache = DynamicCache()
+        for idx, layer in enumerate(cache.layers):
+            # a tensor the trainable weights do not reach (layer 0's keys with LoRA on q and v only) gets none
+            keys, values = (t.detach().requires_grad_(t.requires_grad) for t in (layer.keys, layer.values))
+            self.cache.update(keys, values, idx)
+            self._graph += [layer.keys, layer.values]
+            self._leaves += [keys, values]
+        self.last = hidden.detach().requires_grad_(hidden.requires_grad)
+        self._graph.append(hidden)
+        self._leaves.append(self.last)
+
+    def backward(self) -> None:
+        """Carry the gradient the passes sent to the prefix's keys, values and last hidden state into the weights
+        (nothing when no pass used it or it runs without gradient); the prefix is spent afterwards."""
+        pairs = [(t, leaf.grad) for t, leaf in zip(self._graph, self._leaves) if leaf.grad is not None]
+        if self.grad and pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        self.cache, self.last, self._graph, self._leaves = None, None, [], []
+
+
 def grouped_logps(
     model: Any,
     input_ids: torch.Tensor,
@@ -213,6 +269,7 @@ def grouped_logps(
     share_completions: bool = True,
     temperature: float = 1.0,
     prompt_grad: bool = True,
+    prefix: SharedPrefix | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs, entropies), each (rows, logits_to_keep), of the completion tokens.
 
@@ -227,6 +284,10 @@ def grouped_logps(
     Without `prompt_grad`, each row's prompt but its last token (which predicts the first completion token)
     runs without gradient: the completions attend to its keys and values as constants. The log-probs are the
     same; the gradient leaves out how the adapter changes the prompt's encoding (`train.prompt_grad`).
+
+    With a `prefix` that every row starts with (`SharedPrefix.fits`), the prefix's tokens are not run here: the
+    pass continues from its keys and values, computed once per iteration, whose gradient `SharedPrefix.backward`
+    carries into the weights after the last pass.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -242,11 +303,28 @@ def grouped_logps(
     parents = {span.parent for span in spans}
     caches: dict[int, DynamicCache] = {}
     last: dict[int, torch.Tensor] = {}  # a shared span's last hidden state: it predicts its children's first token
+    if prefix is not None:
+        first_scored = [int(sc.nonzero()[0]) if bool(sc.any()) else len(sc) for sc in scored]
+        rows = [r for r in range(len(seqs)) if len(seqs[r])]
+        root = spans[0]
+        # the prefix tree's first span holds every row and covers the prefix: the prefix stands in for its start
+        if not (prefix.fits(seqs, first_scored) and root.parent == -1 and list(root.rows) == rows
+                and root.end >= len(prefix)):
+            prefix = None
     at_rows, at_cols, values, ents = [], [], [], []
     with _low_precision(model):
+        if prefix is not None:
+            prefix.ensure(decoder, input_ids.device)
+            caches[-2], last[-2] = prefix.cache, prefix.last
         for unit in units:
             members = [spans[j] for j in unit]
             start, parent, b = members[0].start, members[0].parent, len(unit)
+            if prefix is not None and unit == [0]:
+                if root.end == len(prefix):  # the root is the prefix: its children continue from it
+                    caches[0], last[0] = prefix.cache, prefix.last
+                    continue
+                start, parent = len(prefix), -2
+                members = [Span(root.rows, start, root.end, parent)]
             lens = [m.end - start for m in members]
             width_u = max(lens)
             ids = input_ids.new_zeros(b, width_u)
@@ -254,7 +332,7 @@ def grouped_logps(
                 ids[i, :lens[i]] = seqs[m.rows[0]][start:m.end]
             valid = torch.arange(width_u, device=ids.device)[None] < torch.tensor(lens, device=ids.device)[:, None]
             mask = None if min(lens) == width_u else torch.cat([valid.new_ones(b, start), valid], dim=1).long()
-            cache = _expand(caches[parent], b) if parent >= 0 else DynamicCache()
+            cache = _expand(caches[parent], b) if parent != -1 else DynamicCache()  # -2: the prefix
             positions = torch.arange(start, start + width_u, device=ids.device)[None].expand(b, -1)
             context = breaks is not None and all(before_breaks(m, breaks) for m in members)
             with torch.no_grad() if context else nullcontext():
@@ -264,7 +342,7 @@ def grouped_logps(
                 caches[unit[0]], last[unit[0]] = cache, hidden[:, -1:]
             # the hidden state before token t predicts it; a span's first token, its parent's last one (a
             # sequence's first token is a prompt token, never scored)
-            first = last[parent].expand(b, -1, -1) if parent >= 0 else hidden[:, :1]
+            first = last[parent].expand(b, -1, -1) if parent != -1 else hidden[:, :1]
             before = torch.cat([first, hidden[:, :-1]], dim=1)
             wanted = [[torch.nn.functional.pad(scored[r][start:m.end], (0, width_u - lens[i])) for r in m.rows]
                       for i, m in enumerate(members)]

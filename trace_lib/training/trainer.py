@@ -22,7 +22,8 @@ the trainer's current model. TRL provides the rest: group-normalised advantages,
 objective (`epsilon`), the KL term (`beta`, 0 by default), optimizer and checkpoints. What we add
 at its hooks: the rollout function and its loss mask (grpo.py); `AgentGRPOTrainer`, TRL's trainer
 whose `compute_loss` skips episodes whose mask is empty (TRL would still run their forward and
-backward passes); `TraceCallback`, which builds our log from TRL's metrics and saves our own state
+backward passes) and which, when an iteration takes several loss passes, gives each pass whole groups and
+runs the start all rows share once for all passes (`_prepare_inputs`, `SharedPrefix`); `TraceCallback`, which builds our log from TRL's metrics and saves our own state
 next to each TRL checkpoint; `_resume_state`, which picks the newest complete checkpoint of the same
 configuration, whose ledger rows then replace the ledger's.
 
@@ -53,11 +54,13 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer import grpo_trainer as grpo_trainer_module
 
 from trace_lib.agent.threads import restore_threads, set_threads
 from trace_lib.config import TrainConfig
@@ -80,7 +83,7 @@ from trace_lib.training.grpo import (
     trajectory_reward,
 )
 from trace_lib.training.rewards import make_reward
-from trace_lib.training.shared_prompt import grouped_logps
+from trace_lib.training.shared_prompt import SharedPrefix, grouped_logps
 
 STAGE = "train"
 STATE_FILE = "trace_state.json"
@@ -205,6 +208,37 @@ def train_dataset(sources: Sequence[TrainSource], cfg: TrainConfig, seed: int):
 
 
 # --- TRL hooks --------------------------------------------------------------------------------------
+MIN_PREFIX_TOKENS = 64
+"""An iteration's rows must share at least this many tokens for their common start to be computed once for all
+of its loss passes (`SharedPrefix`); the system turn and tool list are hundreds."""
+
+
+def common_prompt_start(batches: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The tokens every row's prompt in `batches` (TRL's left-padded `prompt_ids` / `prompt_mask`) starts with,
+    leaving out at least each prompt's last token, whose hidden state predicts the row's first completion token."""
+    prompts = [ids[m.bool()].tolist() for b in batches for ids, m in zip(b["prompt_ids"], b["prompt_mask"])]
+    if not prompts:
+        return []
+    common = os.path.commonprefix(prompts)
+    return list(common[:min(len(p) for p in prompts) - 1])
+
+
+@contextmanager
+def rows_in_order():
+    """Within the block, TRL's GRPOTrainer splits a generation batch into passes without shuffling its rows
+    first (it shuffles through the module's `shuffle_sequence_dict`, which this replaces by the identity)."""
+    name = "shuffle_sequence_dict"
+    if not hasattr(grpo_trainer_module, name):
+        raise RuntimeError(f"trl.trainer.grpo_trainer has no {name}: this TRL splits its batches differently; "
+                           "update AgentGRPOTrainer._prepare_inputs")
+    original = getattr(grpo_trainer_module, name)
+    setattr(grpo_trainer_module, name, lambda batch: batch)
+    try:
+        yield
+    finally:
+        setattr(grpo_trainer_module, name, original)
+
+
 class AgentGRPOTrainer(GRPOTrainer):
     """TRL's trainer, minus the forward/backward of episodes whose loss mask is empty, and (with
     `shared_prompt`) with every stretch of tokens several rows share computed once (training/shared_prompt.py).
@@ -217,6 +251,8 @@ class AgentGRPOTrainer(GRPOTrainer):
     prompt_grad: bool = True
     """With `shared_prompt`: False runs each row's prompt without gradient (`grouped_logps`)."""
     _score_mask: Any = None
+    _prefix: SharedPrefix | None = None
+    """With several loss passes per iteration: the start all its rows share, computed once for them all."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # With several processes every row stays: TRL's loss gathers per-row values across processes,
@@ -236,13 +272,39 @@ class AgentGRPOTrainer(GRPOTrainer):
         # every row masked (kept for the other processes): the shared-prompt pass scored nothing
         return loss if return_outputs or loss.requires_grad else loss + zero()
 
+    def _prepare_inputs(self, generation_batch):
+        # TRL shuffles an iteration's rows before it splits them into loss passes. The step is the same in any
+        # order (one optimizer step per iteration, the loss normalised over the whole iteration), but its cost
+        # is not: the K rows of a group share their task's opening and usually its first tool result, which the
+        # prefix tree computes once only when they share a pass. With several passes per iteration the rows
+        # keep their order (whole groups per pass, `cpu_pass_rows`), and the start all the iteration's rows share
+        # (system turn, tool list) runs once for all its passes (`SharedPrefix`). One pass is shuffled as TRL
+        # does, which leaves the default run's draws unchanged.
+        if not (self.shared_prompt and self.model.training and self.args.steps_per_generation > 1):
+            return super()._prepare_inputs(generation_batch)
+        buffered = self._buffered_inputs
+        with rows_in_order():
+            inputs = super()._prepare_inputs(generation_batch)
+        if self._buffered_inputs is not buffered:  # a new iteration: its rows' common start, run once for all passes
+            if self._prefix is not None and self._prefix.cache is not None:
+                raise RuntimeError("the previous iteration's shared prefix was never carried into the weights")
+            # its gradient reaches the weights in `_clip_grad_norm`, which the HF trainer calls only with clipping on
+            tokens = common_prompt_start(self._buffered_inputs) if self.args.max_grad_norm > 0 else []
+            self._prefix = SharedPrefix(tokens, grad=self.prompt_grad) if len(tokens) >= MIN_PREFIX_TOKENS else None
+        return inputs
+
     def _clip_grad_norm(self, model):
+        # after the iteration's last pass, before the step: the shared prefix's gradient into the weights
+        if self._prefix is not None:
+            self._prefix.backward()
         # several processes: average the gradients first, so the norm clipped is the whole batch's (as DDP)
         distributed.average_gradients(model.parameters())
         return super()._clip_grad_norm(model)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
+        import torch
+
         # every log-prob pass (loss, old and reference log-probs) runs at the full thread count: sampling may
         # have run on fewer (agent/threads.py)
         restore_threads()
@@ -256,7 +318,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         with self.accelerator.autocast():
             logps, entropies = grouped_logps(model, input_ids, attention_mask, logits_to_keep, score,
                                              compute_entropy, temperature=self.temperature,
-                                             prompt_grad=self.prompt_grad)
+                                             prompt_grad=self.prompt_grad,
+                                             prefix=self._prefix if torch.is_grad_enabled() else None)
         return logps, entropies, None
 
 
@@ -585,8 +648,8 @@ benchmarks/README.md, train_step.py); in bf16 the same 32-rollout iterations ran
 
 def cpu_pass_rows(per_iter: int, group_size: int, cap: int) -> int:
     """Rollouts per loss pass on CPU: the whole iteration when it holds at most `cap`, else the largest multiple
-    of K up to `cap` that divides the iteration (K when K alone is more than `cap`). A multiple of K, not whole
-    groups: TRL shuffles the iteration's rows before it splits them."""
+    of K up to `cap` that divides the iteration (K when K alone is more than `cap`): whole groups, since the
+    rows of an iteration split in several passes keep their order (`AgentGRPOTrainer._prepare_inputs`)."""
     if per_iter <= cap:
         return per_iter
     fits = [m for m in range(group_size, cap + 1, group_size) if per_iter % m == 0]
@@ -603,7 +666,7 @@ def _micro_batch(cfg: TrainConfig, processes: int = 1) -> int:
     per_iter = cfg.groups * cfg.group_size // processes
     if torch.cuda.is_available():
         auto = cfg.group_size
-    else:  # with the shared prompt, up to CPU_PASS_ROWS per pass (TRL shuffles rows across micro-batches)
+    else:  # with the shared prompt, up to CPU_PASS_ROWS per pass, whole groups
         auto = cpu_pass_rows(per_iter, cfg.group_size, CPU_PASS_ROWS[train_dtype(cfg)]) if cfg.shared_prompt else 1
     micro = cfg.micro_batch or auto
     if per_iter % micro:
