@@ -132,8 +132,9 @@ class UpdateTokens:
             return ensure(prefix, *a, **kw)
 
         def counted_logps(*a, prefix=None, **kw):
+            uses = prefix.uses if prefix is not None else 0
             out = logps(*a, prefix=prefix, **kw)
-            if prefix is not None and prefix.cache is not None:  # the pass continued from the prefix
+            if prefix is not None and prefix.uses > uses:  # the pass continued from the prefix
                 self.positions -= len(prefix)
                 self.span_tokens -= len(prefix)
             return out

@@ -114,6 +114,28 @@ def test_bf16_base_weights_run_under_autocast_and_stay_close(tiny_model_dir):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora)
 
 
+def test_a_prefix_of_bf16_weights_collects_the_passes_gradients_in_fp32(tiny_model_dir):
+    """bf16 base weights: the prefix's leaves are fp32 and sum the passes' gradients there, and the passes backward
+    through the one cast to bf16 again and again; the gradients stay close to one pass's."""
+    torch.manual_seed(0)
+    model = load_policy(tiny_model_dir, dtype="bfloat16", attn_implementation="sdpa").model
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(model, cfg).train()
+    ids, mask, width, score = _batch()
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    ref = torch.autograd.grad((grouped_logps(model, ids, mask, width, score)[0] * score).sum(), lora)
+    prefix = SharedPrefix(ids[0][mask[0].bool()][:4].tolist())
+    for rows in ([0, 3], [1, 2], [4, 5]):
+        part, _ = grouped_logps(model, ids[rows], mask[rows], width, score[rows], prefix=prefix)
+        (part * score[rows]).sum().backward()
+    assert prefix.cache.layers[1].keys.dtype == torch.bfloat16
+    assert all(leaf.dtype == torch.float32 for leaf in prefix._leaves)
+    prefix.backward()
+    for p, want in zip(lora, ref):
+        assert p.grad.dtype == torch.float32
+        assert float((p.grad - want).norm()) <= 0.05 * float(want.norm()) + 1e-6
+
+
 def test_grouped_logps_skip_groups_with_nothing_to_score(lora_model):
     ids, mask, width, score = _batch()
     score[:3] = 0
@@ -248,8 +270,9 @@ def test_a_prefix_computed_once_for_several_passes_gives_the_one_pass_logps_and_
             assert prefix.cache is not None  # used, not run again
             assert torch.allclose(part * score[rows], logps[rows] * score[rows], atol=1e-5)
             (part * score[rows] * weights[rows]).sum().backward()
+        assert prefix.uses == 3
         prefix.backward()
-        assert prefix.cache is None  # spent
+        assert prefix.cache is None and prefix.uses == 0  # spent
         for p, ref in zip(params, ref_grads):
             assert torch.allclose(p.grad, ref, atol=1e-5, rtol=1e-4)
     finally:
@@ -263,6 +286,19 @@ def test_a_prefix_some_row_does_not_start_with_is_not_used(lora_model):
     other = SharedPrefix([5, 6, 7])
     with torch.no_grad():
         assert torch.equal(grouped_logps(lora_model, ids, mask, width, score, prefix=other)[0], logps.detach())
-    assert other.cache is None
+    assert other.cache is None and other.uses == 0
     assert not other.fits([[5, 6, 7, 8]], first_scored=[2])  # a scored position inside the prefix
     assert other.fits([[5, 6, 7, 8], []], first_scored=[3, 0])
+
+
+def test_a_prefix_computed_by_one_model_is_not_used_by_another(lora_model, tiny_model_dir):
+    ids, mask, width, score = _batch()
+    prefix = SharedPrefix(ids[0][mask[0].bool()][:4].tolist())
+    with torch.no_grad():
+        grouped_logps(lora_model, ids, mask, width, score, prefix=prefix)
+        assert prefix.uses == 1
+        other = load_policy(tiny_model_dir).model
+        want = grouped_logps(other, ids, mask, width, score)[0]
+        assert torch.equal(grouped_logps(other, ids, mask, width, score, prefix=prefix)[0], want)
+    assert prefix.uses == 1
+    prefix.backward()

@@ -888,11 +888,13 @@ def test_several_passes_with_the_common_start_run_once_give_the_one_pass_gradien
     prefix_runs: list[int] = []
     monkeypatch.setattr(train_mod.distributed, "average_gradients", capture)
     monkeypatch.setattr(shared_mod.SharedPrefix, "ensure",
-                        lambda self, *a: prefix_runs.append(runs[-1]) or real_ensure(self, *a))
+                        lambda self, *a: (self.cache is None and prefix_runs.append(runs[-1])) or real_ensure(self, *a))
     for micro in (8, 2):
         runs.append(micro)
-        train(tiny_model_dir, tmp_path / str(micro), iterations=1, groups=4, group_size=2, micro_batch=micro)
-    assert prefix_runs and set(prefix_runs) == {2}  # only the split iteration computes the prefix on its own
+        # fp32 whatever the CPU: the two ways sum the same gradients in another order
+        train(tiny_model_dir, tmp_path / str(micro), iterations=1, groups=4, group_size=2, micro_batch=micro,
+              dtype="float32")
+    assert prefix_runs == [2]  # computed once, by the split iteration only
     assert grads[8].keys() == grads[2].keys() and grads[8]
     assert any(float(g.abs().sum()) > 0 for g in grads[8].values())
     for key, g in grads[8].items():

@@ -209,26 +209,33 @@ class SharedPrefix:
 
     The first pass that needs it runs the prefix (batch 1, with gradient unless `grad` is False) and keeps that
     graph; the passes attend to detached copies of its keys and values (and of its last hidden state), which
-    collect the gradient every pass sends back. `backward()`, once after the last pass and before the optimizer
-    step, carries that sum into the weights: the same gradient as computing the prefix in every pass, since the
-    gradient through a shared stretch is the sum over the rows that attend to it."""
+    collect the gradient every pass sends back, in fp32 whatever the model's dtype (the sum over passes that
+    the LoRA weights' fp32 gradients would otherwise hold). `backward()`, once after the last pass and before the
+    optimizer step, carries that sum into the weights: the same gradient as computing the prefix in every pass,
+    since the gradient through a shared stretch is the sum over the rows that attend to it. `uses` counts the
+    passes that continued from it since it was last spent."""
 
     def __init__(self, tokens: Sequence[int], grad: bool = True) -> None:
         self.tokens = list(tokens)
         self.grad = grad
         self.cache: DynamicCache | None = None
         self.last: torch.Tensor | None = None
+        self.uses = 0
+        self._decoder: int | None = None
         self._graph: list[torch.Tensor] = []
         self._leaves: list[torch.Tensor] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def fits(self, seqs: Sequence[Sequence[int]], first_scored: Sequence[int]) -> bool:
-        """Whether every sequence starts with the prefix and scores no position inside it (a position scored at
-        the prefix's last token would need that token's hidden state, which this keeps; inside, nothing is)."""
+    def fits(self, seqs: Sequence[Sequence[int]], first_scored: Sequence[int], decoder: Any = None) -> bool:
+        """Whether every sequence (token lists) starts with the prefix and scores no position inside it (a position
+        scored at the prefix's last token would need that token's hidden state, which this keeps; inside, nothing
+        is), and, once computed, whether `decoder` is the one it was computed by."""
         n = len(self.tokens)
-        return n > 0 and all(list(s[:n]) == self.tokens and f >= n for s, f in zip(seqs, first_scored) if len(s))
+        if n == 0 or (self.cache is not None and decoder is not None and id(decoder) != self._decoder):
+            return False
+        return all(s[:n] == self.tokens and f >= n for s, f in zip(seqs, first_scored) if len(s))
 
     def ensure(self, decoder: Any, device: torch.device) -> None:
         """Run the prefix once (the first pass of the iteration that uses it)."""
@@ -239,24 +246,30 @@ class SharedPrefix:
         with nullcontext() if self.grad else torch.no_grad():
             hidden = decoder(input_ids=ids, position_ids=torch.arange(len(self.tokens), device=device)[None],
                              past_key_values=cache, use_cache=True).last_hidden_state[:, -1:]
-        self.cache = DynamicCache()
+        if cache.get_seq_length() != len(self.tokens):
+            raise RuntimeError(f"the decoder kept {cache.get_seq_length()} of the prefix's {len(self.tokens)} keys "
+                               "and values (activation checkpointing turns the cache off)")
+        self.cache, self._decoder = DynamicCache(), id(decoder)
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            # fp32 leaves collect the passes' gradients; the cast back to the model's dtype is built once. A tensor
+            # the trainable weights do not reach (layer 0's keys with LoRA on q and v only) gets no gradient.
+            held = t.detach().float().requires_grad_(t.requires_grad)
+            self._graph.append(t)
+            self._leaves.append(held)
+            return held.to(t.dtype)
+
         for idx, layer in enumerate(cache.layers):
-            # a tensor the trainable weights do not reach (layer 0's keys with LoRA on q and v only) gets none
-            keys, values = (t.detach().requires_grad_(t.requires_grad) for t in (layer.keys, layer.values))
-            self.cache.update(keys, values, idx)
-            self._graph += [layer.keys, layer.values]
-            self._leaves += [keys, values]
-        self.last = hidden.detach().requires_grad_(hidden.requires_grad)
-        self._graph.append(hidden)
-        self._leaves.append(self.last)
+            self.cache.update(leaf(layer.keys), leaf(layer.values), idx)
+        self.last = leaf(hidden)
 
     def backward(self) -> None:
         """Carry the gradient the passes sent to the prefix's keys, values and last hidden state into the weights
         (nothing when no pass used it or it runs without gradient); the prefix is spent afterwards."""
-        pairs = [(t, leaf.grad) for t, leaf in zip(self._graph, self._leaves) if leaf.grad is not None]
+        pairs = [(t, leaf.grad.to(t.dtype)) for t, leaf in zip(self._graph, self._leaves) if leaf.grad is not None]
         if self.grad and pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self.cache, self.last, self._graph, self._leaves = None, None, [], []
+        self.cache, self.last, self.uses, self._decoder, self._graph, self._leaves = None, None, 0, None, [], []
 
 
 def grouped_logps(
@@ -296,7 +309,8 @@ def grouped_logps(
     entropies = torch.zeros_like(logps) if compute_entropy else None
     seqs, scored, plens = scored_sequences(input_ids, attention_mask, logits_to_keep, score_mask)
     breaks = None if prompt_grad else prompt_breaks(plens)
-    spans = shared_spans([s.tolist() for s in seqs], None if share_completions else plens, breaks)
+    token_lists = [s.tolist() for s in seqs]
+    spans = shared_spans(token_lists, None if share_completions else plens, breaks)
     if not spans:
         return logps, entropies
     units = work_units(spans)
@@ -308,13 +322,14 @@ def grouped_logps(
         rows = [r for r in range(len(seqs)) if len(seqs[r])]
         root = spans[0]
         # the prefix tree's first span holds every row and covers the prefix: the prefix stands in for its start
-        if not (prefix.fits(seqs, first_scored) and root.parent == -1 and list(root.rows) == rows
+        if not (prefix.fits(token_lists, first_scored, decoder) and root.parent == -1 and list(root.rows) == rows
                 and root.end >= len(prefix)):
             prefix = None
     at_rows, at_cols, values, ents = [], [], [], []
     with _low_precision(model):
         if prefix is not None:
             prefix.ensure(decoder, input_ids.device)
+            prefix.uses += 1
             caches[-2], last[-2] = prefix.cache, prefix.last
         for unit in units:
             members = [spans[j] for j in unit]

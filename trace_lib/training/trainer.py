@@ -287,16 +287,20 @@ class AgentGRPOTrainer(GRPOTrainer):
             inputs = super()._prepare_inputs(generation_batch)
         if self._buffered_inputs is not buffered:  # a new iteration: its rows' common start, run once for all passes
             if self._prefix is not None and self._prefix.cache is not None:
-                raise RuntimeError("the previous iteration's shared prefix was never carried into the weights")
-            # its gradient reaches the weights in `_clip_grad_norm`, which the HF trainer calls only with clipping on
-            tokens = common_prompt_start(self._buffered_inputs) if self.args.max_grad_norm > 0 else []
+                raise RuntimeError("the shared prefix of the last optimizer step was never carried into the weights")
+            tokens = common_prompt_start(self._buffered_inputs)
             self._prefix = SharedPrefix(tokens, grad=self.prompt_grad) if len(tokens) >= MIN_PREFIX_TOKENS else None
         return inputs
 
-    def _clip_grad_norm(self, model):
-        # after the iteration's last pass, before the step: the shared prefix's gradient into the weights
-        if self._prefix is not None:
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        out = super().training_step(model, inputs, num_items_in_batch)
+        # after the last pass before an optimizer step (TRL counts passes in `_step`), before clipping and the
+        # step: the shared prefix's gradient into the weights
+        if self._prefix is not None and self._step % self.current_gradient_accumulation_steps == 0:
             self._prefix.backward()
+        return out
+
+    def _clip_grad_norm(self, model):
         # several processes: average the gradients first, so the norm clipped is the whole batch's (as DDP)
         distributed.average_gradients(model.parameters())
         return super()._clip_grad_norm(model)
