@@ -302,3 +302,16 @@ def test_a_prefix_computed_by_one_model_is_not_used_by_another(lora_model, tiny_
         assert torch.equal(grouped_logps(other, ids, mask, width, score, prefix=prefix)[0], want)
     assert prefix.uses == 1
     prefix.backward()
+
+
+def test_a_decoder_that_keeps_no_cache_is_refused(tiny_model_dir):
+    """With activation checkpointing on, a decoder in training mode drops the KV cache the pass continues from: an
+    error naming it, not log-probs of children that attended to nothing."""
+    model = load_policy(tiny_model_dir, attn_implementation="sdpa").model
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask, width, score = _batch()
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        grouped_logps(model, ids, mask, width, score)
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        grouped_logps(model, ids, mask, width, score, prefix=SharedPrefix(ids[0][mask[0].bool()][:4].tolist()))

@@ -587,7 +587,7 @@ def test_the_unsloth_backend_trains_through_the_same_path_and_writes_the_same_re
     assert [c[0] for c in calls] == ["from_pretrained", "get_peft_model"]
     assert calls[0][1] == {"model_name": str(tiny_model_dir), "dtype": None, "load_in_4bit": False}
     assert calls[1][1] == {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "bias": "none",
-                           "random_state": 0}
+                           "random_state": 0, "use_gradient_checkpointing": False}  # the shared-prompt pass's cache
     assert manifest.backend == "unsloth" and manifest.rollouts_used == ledger.used("train", "cap") == 4
     out = tmp_path / "adapter"
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 1

@@ -354,6 +354,9 @@ def grouped_logps(
                 hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                  use_cache=True).last_hidden_state
             if b == 1 and unit[0] in parents:  # the spans after this one continue from it
+                if cache.get_seq_length() != members[0].end:
+                    raise RuntimeError(f"the decoder kept {cache.get_seq_length()} keys and values of {members[0].end}: "
+                                       "the shared-prompt pass needs its cache (activation checkpointing turns it off)")
                 caches[unit[0]], last[unit[0]] = cache, hidden[:, -1:]
             # the hidden state before token t predicts it; a span's first token, its parent's last one (a
             # sequence's first token is a prompt token, never scored)

@@ -169,9 +169,12 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, t
         load, base_id = resolve_model_path(model_dir)
         model, tokenizer = FastLanguageModel.from_pretrained(model_name=load, dtype=None, load_in_4bit=False)
         lcfg = lora_config(cfg, model)
+        # Unsloth's own activation checkpointing turns the decoder's KV cache off, which the shared-prompt pass
+        # continues from (and TRL's pass is told to checkpoint by GRPOConfig when the shared prompt is off)
         model = FastLanguageModel.get_peft_model(
             model, r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
-            target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed)
+            target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed,
+            use_gradient_checkpointing=False if cfg.shared_prompt else "unsloth")
         stable_target_modules(model)
         tool_format = use_tool_template(tokenizer, model_dir, tool_format)
         if tokenizer.pad_token_id is None:
