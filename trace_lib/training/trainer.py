@@ -23,9 +23,10 @@ objective (`epsilon`), the KL term (`beta`, 0 by default), optimizer and checkpo
 at its hooks: the rollout function and its loss mask (grpo.py); `AgentGRPOTrainer`, TRL's trainer
 whose `compute_loss` skips episodes whose mask is empty (TRL would still run their forward and
 backward passes) and which, when an iteration takes several loss passes, gives each pass whole groups and
-runs the start all rows share once for all passes (`_prepare_inputs`, `SharedPrefix`); `TraceCallback`, which builds our log from TRL's metrics and saves our own state
-next to each TRL checkpoint; `_resume_state`, which picks the newest complete checkpoint of the same
-configuration, whose ledger rows then replace the ledger's.
+runs the start all rows share once for all passes (`_prepare_inputs`, `SharedPrefix`); `TraceCallback`,
+which builds our log from TRL's metrics and saves our own state next to each TRL checkpoint;
+`_resume_state`, which picks the newest complete checkpoint of the same configuration, whose ledger rows then
+replace the ledger's.
 
 Resume: TRL/HF checkpoints (adapter, optimizer, scheduler, RNG, trainer state) go to
 `ckpt_dir/checkpoint-<step>/` (default `out_dir.parent/.<name>.ckpt/`) every `save_every` iterations,
