@@ -42,6 +42,7 @@ class TemplateEnv(Environment):
     """A bound template behind the episode protocol, with the scripted customer."""
 
     name = "synthetic"
+    isolate_tools = False  # the templates' own logic is under test here, not a fork per tool call (test_untrusted)
 
     def __init__(self, bound: BoundTemplate, task: dict, max_steps: int = 8, max_errors: int = 4) -> None:
         super().__init__(max_steps=max_steps, max_errors=max_errors)

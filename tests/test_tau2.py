@@ -3,15 +3,18 @@ rules, and τ²'s own evaluator (gold replay scores 1, do-nothing scores 1 only 
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
+from tau2.data_model import message as t2m
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs import make_env, make_tasks
 from trace_lib.envs.base import UserTurn
 from trace_lib.envs.tau2 import (
-    Tau2Env, agent_system_prompt, build_env, replay_gold, score_messages, tau2_messages, tau2_task_of, tool_specs,
+    Tau2Env, agent_system_prompt, build_env, fresh_tau2_env, gc_paused, pristine_db, pristine_db_intact,
+    replay_gold, score_messages, tau2_messages, tau2_task_of, tool_specs,
 )
 from trace_lib.envs.tau2_user import LLMUser, tau2_constant
 from trace_lib.records import Message, Task, ToolCall
@@ -118,12 +121,14 @@ def test_gold_replay_scores_one(tasks, domain, task_id):
     assert info["reward_basis"] == ["DB", "COMMUNICATE"] and info["db_match"] is True
     assert info["user_mode"] == "scripted"
     assert env.state.termination == ("transfer" if task_id in ("50", "13") else "user_stop")
+    assert pristine_db_intact(domain)  # the forked copy wrote the shared database, this process its own copy
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("domain", ["retail", "airline"])
 def test_gold_replay_scores_one_on_every_task(tasks, domain):
     env = make_env(cfg(domain))
+    env.isolate_tools = False  # a fork per tool call of this big process; isolated: test_gold_replay_scores_one
     failed, gold_errors = {}, []
     for task_id, task in tasks[domain].items():
         reward, info = replay_gold(env, task)
@@ -133,6 +138,45 @@ def test_gold_replay_scores_one_on_every_task(tasks, domain):
             gold_errors.append(task_id)
     assert failed == {}
     assert gold_errors == GOLD_ACTION_ERRORS[domain]
+    assert pristine_db_intact(domain)  # every READ tool the gold actions call left the shared database alone
+
+
+def test_environments_share_the_database_until_they_write():
+    shared = pristine_db("retail")
+    reader, writer = fresh_tau2_env("retail"), fresh_tau2_env("retail")
+    lookup = reader.get_response(t2m.ToolCall(id="r", name="get_order_details", arguments={"order_id": "#W2378156"},
+                                              requestor="assistant"))
+    assert not lookup.error and reader.tools.db is shared.db and reader.get_db_hash() == shared.hash
+    cancel = writer.get_response(t2m.ToolCall(id="w", name="cancel_pending_order", requestor="assistant",
+                                              arguments={"order_id": "#W5918442", "reason": "no longer needed"}))
+    assert not cancel.error, cancel.content
+    assert writer.tools.db is not shared.db and writer.get_db_hash() != shared.hash
+    assert json.loads(cancel.content)["status"] == "cancelled"
+    assert shared.db.orders["#W5918442"].status == "pending" and pristine_db_intact("retail")
+    # a generic tool (not marked READ) copies too; a failed write still leaves the shared one whole
+    generic, failing = fresh_tau2_env("retail"), fresh_tau2_env("retail")
+    generic.get_response(t2m.ToolCall(id="g", name="calculate", arguments={"expression": "1 + 2"}, requestor="assistant"))
+    bad = failing.get_response(t2m.ToolCall(id="f", name="cancel_pending_order", requestor="assistant",
+                                            arguments={"order_id": "#W0000000", "reason": "no longer needed"}))
+    assert bad.error and generic.tools.db is not shared.db and failing.get_db_hash() == shared.hash
+    updated = fresh_tau2_env("retail")
+    updated.tools.update_db({"orders": {"#W5918442": {"status": "cancelled"}}})
+    assert updated.tools.db is not shared.db and updated.get_db_hash() != shared.hash and pristine_db_intact("retail")
+
+
+def test_gc_paused_restores_the_collector_as_it_was():
+    assert gc.isenabled()
+    with pytest.raises(KeyError), gc_paused():
+        assert not gc.isenabled()
+        raise KeyError("x")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is left alone
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("domain,task_id,expected", [
@@ -160,6 +204,7 @@ def test_do_nothing_scores_one_only_without_writes(tasks, domain):
     extra = set(passed) - set(NO_WRITE_TASKS[domain])
     assert extra == ({"12", "105"} if domain == "retail" else set())
     assert extra <= set(GOLD_ACTION_ERRORS[domain])
+    assert pristine_db_intact(domain)
 
 
 def test_communicate_is_checked(tasks):

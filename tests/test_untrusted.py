@@ -16,7 +16,7 @@ from trace_lib.agent.chat import parse_assistant, render_prompt
 from trace_lib.agent.rollout import collect_rollouts, summarize
 from trace_lib.config import EnvConfig, RolloutConfig
 from trace_lib.envs.base import ToolSpec
-from trace_lib.envs.limits import ToolLimits, call_limited
+from trace_lib.envs.limits import ToolLimits, call_limited, in_forked_copy
 from trace_lib.io import read_jsonl, write_jsonl
 from trace_lib.records import Message, ToolCall, Trajectory
 from trace_lib.text import clean_json, clean_text
@@ -138,6 +138,17 @@ def test_a_hanging_tool_is_stopped_within_the_limit():
     out = call_limited(spin, ToolLimits(seconds=0.5))
     assert time.monotonic() - t0 < 2.0
     assert out.is_error and out.fault == "timeout" and "0.5 s" in out.text
+
+
+def test_only_the_forked_copy_knows_it_is_one():
+    def spin_in_the_copy():
+        while in_forked_copy():
+            pass
+        return "here", False
+
+    assert not in_forked_copy()
+    out = call_limited(spin_in_the_copy, ToolLimits(seconds=0.3))
+    assert out.fault == "timeout" and not in_forked_copy()
 
 
 def test_a_huge_result_is_cut_with_a_marker():

@@ -38,6 +38,16 @@ from trace_lib.text import clean_text
 FaultKind = Literal["timeout", "crash", "capped"]
 
 
+_IN_FORKED_COPY = False
+"""True only in the forked copy that runs one tool call and exits (`_in_fork`)."""
+
+
+def in_forked_copy() -> bool:
+    """Whether this process is a forked copy running one tool call: what it writes is thrown away
+    with it, so state shared copy-on-write (e.g. `envs.tau2`'s database) need not be copied first."""
+    return _IN_FORKED_COPY
+
+
 @dataclass(frozen=True)
 class ToolLimits:
     seconds: float = 5.0
@@ -103,6 +113,8 @@ def _in_fork(run: Callable[[], tuple[str, bool]], limits: ToolLimits) -> ToolOut
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the copy: run, send the capped outcome, exit without running any cleanup
+        global _IN_FORKED_COPY
+        _IN_FORKED_COPY = True
         try:
             os.close(read_fd)
             _limit_memory(limits.memory_mb)

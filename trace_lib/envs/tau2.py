@@ -24,14 +24,21 @@ What comes from τ² and what is ours:
   (its module imports τ²'s LLM agent), so `evaluate_run` restates its dozen lines of glue. Episodes
   that end any other way than a user/agent stop score 0.
 
-Speed: each domain's database is loaded once per process and every episode (and each of the
-evaluator's two replays) unpickles a private copy.
+Speed: each domain's database is loaded once per process and shared, copy on write, by every τ²
+environment built here (`fresh_tau2_env`: each episode and each of the evaluator's two replays).
+An environment reads the shared database until its first call that may write (any tool τ² does not
+mark READ, a database update, an environment function); that call gets it a private copy first
+(unpickled, ~0.1-0.4 s). The hash of the untouched database is computed once, so an episode that
+only reads is scored without copying or hashing the database.
 """
 
 from __future__ import annotations
 
+import gc
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -49,7 +56,7 @@ from tau2.user.base import STOP
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment, EpisodeState, StepResult, ToolSpec, UserTurn
-from trace_lib.envs.limits import ToolLimits
+from trace_lib.envs.limits import ToolLimits, in_forked_copy
 from trace_lib.envs.tau2_user import agent_greeting, llm_user_factory, scenario_from_tau2, stop_token, tau2_constant
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
@@ -91,14 +98,109 @@ def _module(domain: str):
     return environment
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a block that builds and drops whole databases.
+
+    A database copy is ~10^5 tracked objects (pydantic models, their dicts and lists), so building
+    one triggers collections that walk everything alive, ~0.2 s each on a 2-core EPYC: about half
+    of an episode's scoring time before this. The copies hold no reference cycles and are freed by
+    reference counting when their environment goes; the collector runs as usual after the block.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 @lru_cache(maxsize=None)
 def _db_bytes(domain: str) -> bytes:
     return pickle.dumps(_module(domain).get_environment().tools.db, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+@dataclass(frozen=True)
+class PristineDB:
+    """A domain's database as τ² ships it, shared by environments until they write, and its τ² hash."""
+
+    domain: str
+    db: Any
+    hash: str
+
+
+@lru_cache(maxsize=None)
+def pristine_db(domain: str) -> PristineDB:
+    env = _module(domain).get_environment(db=pickle.loads(_db_bytes(domain)))
+    return PristineDB(domain=domain, db=env.tools.db, hash=env.tools.get_db_hash())
+
+
+def pristine_db_intact(domain: str) -> bool:
+    """Whether the shared database still hashes as it did when loaded (no environment wrote to it)."""
+    shared = pristine_db(domain)
+    return _module(domain).get_environment(db=shared.db).tools.get_db_hash() == shared.hash
+
+
+class _CopyOnWrite:
+    """Gives one τ² environment's tool kit a private database before its first call that may write.
+
+    τ²'s tool kits reach their database only as `self.db`, and mark every tool READ, WRITE, THINK
+    or GENERIC; only READ tools are trusted not to write (airline and retail's READ tools look
+    records up and build new result objects; `test_tau2` checks after every gold replay that the
+    shared database still hashes as loaded). The hooks go on the instances (τ²'s classes are
+    untouched): the kit's `use_tool`, `update_db` and `get_db_hash`, and the environment's
+    `run_env_function_call` (initialization actions and assertions, which call kit functions
+    directly). A call run first in a forked copy (`envs.limits`) writes the shared database there
+    (the copy's memory is its own and exits with it), then runs here, where it copies first.
+    """
+
+    def __init__(self, env: Any, shared: PristineDB) -> None:
+        self.kit, self.shared, self.wrote_shared = env.tools, shared, False
+        kit = self.kit
+        self._use_tool, self._update_db, self._hash = kit.use_tool, kit.update_db, kit.get_db_hash
+        self._run_function = env.run_env_function_call
+        kit.use_tool, kit.update_db, kit.get_db_hash = self.use_tool, self.update_db, self.get_db_hash
+        env.run_env_function_call = self.run_env_function_call
+
+    @property
+    def shares(self) -> bool:
+        return self.kit.db is self.shared.db
+
+    def own(self) -> None:
+        if not self.shares:
+            return
+        if in_forked_copy():  # a forked copy's writes die with it: no copy, but no cached hash either
+            self.wrote_shared = True
+        else:
+            with gc_paused():
+                self.kit.db = pickle.loads(_db_bytes(self.shared.domain))
+
+    def use_tool(self, tool_name: str, **kwargs: Any) -> Any:
+        if self.kit.has_tool(tool_name) and self.kit.tool_type(tool_name) != ToolType.READ:
+            self.own()  # (an unknown tool raises before it reaches the database)
+        return self._use_tool(tool_name=tool_name, **kwargs)
+
+    def update_db(self, update_data: dict[str, Any] | None = None) -> None:
+        self.own()
+        self._update_db(update_data)
+
+    def get_db_hash(self) -> str:
+        return self.shared.hash if self.shares and not self.wrote_shared else self._hash()
+
+    def run_env_function_call(self, env_function_call: Any) -> Any:
+        if env_function_call.env_type == "assistant":
+            self.own()
+        return self._run_function(env_function_call)
+
+
 def fresh_tau2_env(domain: str, solo_mode: bool = False):
-    """A τ² `Environment` over a private copy of the domain's database (the evaluator's constructor)."""
-    return _module(domain).get_environment(db=pickle.loads(_db_bytes(domain)), solo_mode=solo_mode)
+    """A τ² `Environment` that reads the domain's shared database and writes a private copy of it
+    (copy on write; see the module docstring). The evaluator's constructor."""
+    shared = pristine_db(domain)
+    env = _module(domain).get_environment(db=shared.db, solo_mode=solo_mode)
+    _CopyOnWrite(env, shared)
+    return env
 
 
 @lru_cache(maxsize=None)
@@ -197,9 +299,10 @@ def evaluate_run(sim: SimulationRun, task: Tau2Task, domain: str) -> RewardInfo:
     basis = set(task.evaluation_criteria.reward_basis)
     if RewardType.NL_ASSERTION in basis:
         raise ValueError("NL assertions are part of the reward basis, but they are not being evaluated.")
-    env_info = EnvironmentEvaluator.calculate_reward(
-        environment_constructor=lambda solo_mode=False: fresh_tau2_env(domain, solo_mode),
-        task=task, full_trajectory=sim.messages, solo_mode=False)
+    with gc_paused():  # two replays, each may copy the database; both are dropped on return
+        env_info = EnvironmentEvaluator.calculate_reward(
+            environment_constructor=lambda solo_mode=False: fresh_tau2_env(domain, solo_mode),
+            task=task, full_trajectory=sim.messages, solo_mode=False)
     action_info = ActionEvaluator.calculate_reward(task=task, full_trajectory=sim.messages)
     comm_info = CommunicateEvaluator.calculate_reward(task=task, full_trajectory=sim.messages)
     reward, breakdown = 1.0, {}
