@@ -39,11 +39,16 @@ phone: repro
 	$(BIN)/python -m trace_lib.sweep notebooks/0[1-7]_*.ipynb --set env.name=phone --root sweeps/phone
 	$(BIN)/dvc repro --force --single-item report
 
+# Two test processes (pytest-xdist), whole files to each: every test process runs torch on one thread (tests/conftest.py),
+# so one process left a 2-core machine half idle. `make test TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: env
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 test-fast: env
-	$(BIN)/python -m pytest -m "not slow and not e2e"
+	$(PYTEST) -m "not slow and not e2e"
 
 lab: env
 	$(BIN)/jupyter lab notebooks/
