@@ -103,9 +103,10 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a block that builds and drops whole databases.
 
     A database copy is ~10^5 tracked objects (pydantic models, their dicts and lists), so building
-    one triggers collections that walk everything alive, ~0.2 s each on a 2-core EPYC: about half
-    of an episode's scoring time before this. The copies hold no reference cycles and are freed by
-    reference counting when their environment goes; the collector runs as usual after the block.
+    one triggers full collections that walk everything alive, ~0.15 s each on a 2-core EPYC: half
+    of the scoring time of a gold replay before this (`benchmarks/README.md`, tau2_scoring.py).
+    Nothing is kept longer for it: what reference counting frees goes at once, and any cycles left
+    wait for the first collection after the block, which runs as usual.
     """
     was_enabled = gc.isenabled()
     gc.disable()
