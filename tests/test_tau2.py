@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import weakref
 
 import pytest
 from tau2.data_model import message as t2m
@@ -162,6 +163,10 @@ def test_environments_share_the_database_until_they_write():
     updated = fresh_tau2_env("retail")
     updated.tools.update_db({"orders": {"#W5918442": {"status": "cancelled"}}})
     assert updated.tools.db is not shared.db and updated.get_db_hash() != shared.hash and pristine_db_intact("retail")
+    with gc_paused():  # no cycles: an environment and its copy go with the last reference
+        gone = [weakref.ref(writer), weakref.ref(writer.tools)]
+        del writer
+        assert [ref() for ref in gone] == [None, None]
 
 
 def test_gc_paused_restores_the_collector_as_it_was():

@@ -11,9 +11,9 @@ call first runs in a forked copy of this process (the same state, copy-on-write,
 serialize; ~35 ms with the model loaded). If the copy answers within the limit, the call is run again
 here, so whatever it changes lands in this process (tools are deterministic functions of the state,
 so the second run is the first one again and cannot stall; a tool's own work is microseconds next
-to the fork). Every call is run again, not only those of tools marked `write`: the state must not
-depend on the read/write marks being right. A copy that outlives the limit is killed and the call
-becomes a tool error; one that crashed is not repeated here.
+to the fork). Every call is run again, not only those of tools marked `write`: the replay does not
+depend on the read/write marks being right (τ²'s shared database does: `envs.tau2`). A copy that
+outlives the limit is killed and the call becomes a tool error; one that crashed is not repeated here.
 
 The forked copy also gets an address-space limit (its current size plus `memory_mb`), so a call
 that allocates without bound fails there with MemoryError instead of waking the OOM killer.

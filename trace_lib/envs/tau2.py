@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,8 +106,8 @@ def gc_paused() -> Iterator[None]:
     A database copy is ~10^5 tracked objects (pydantic models, their dicts and lists), so building
     one triggers full collections that walk everything alive, ~0.15 s each on a 2-core EPYC: half
     of the scoring time of a gold replay before this (`benchmarks/README.md`, tau2_scoring.py).
-    Nothing is kept longer for it: what reference counting frees goes at once, and any cycles left
-    wait for the first collection after the block, which runs as usual.
+    Nothing is kept longer for it: an environment and its copy hold no cycles (`_CopyOnWrite`) and go
+    when the last reference does; any cycles left wait for the first collection after the block.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -157,12 +158,16 @@ class _CopyOnWrite:
     """
 
     def __init__(self, env: Any, shared: PristineDB) -> None:
-        self.kit, self.shared, self.wrote_shared = env.tools, shared, False
-        kit = self.kit
-        self._use_tool, self._update_db, self._hash = kit.use_tool, kit.update_db, kit.get_db_hash
-        self._run_function = env.run_env_function_call
-        kit.use_tool, kit.update_db, kit.get_db_hash = self.use_tool, self.update_db, self.get_db_hash
-        env.run_env_function_call = self.run_env_function_call
+        # weak references and the classes' own methods: the hooks live in the instances' dicts, and
+        # strong references back would make every environment a cycle that only the collector frees
+        self._env, self._kit = weakref.ref(env), weakref.ref(env.tools)
+        self.shared, self.wrote_shared = shared, False
+        env.tools.use_tool, env.tools.update_db = self.use_tool, self.update_db
+        env.tools.get_db_hash, env.run_env_function_call = self.get_db_hash, self.run_env_function_call
+
+    @property
+    def kit(self) -> Any:
+        return self._kit()
 
     @property
     def shares(self) -> bool:
@@ -178,21 +183,25 @@ class _CopyOnWrite:
                 self.kit.db = pickle.loads(_db_bytes(self.shared.domain))
 
     def use_tool(self, tool_name: str, **kwargs: Any) -> Any:
-        if self.kit.has_tool(tool_name) and self.kit.tool_type(tool_name) != ToolType.READ:
+        kit = self.kit
+        if kit.has_tool(tool_name) and kit.tool_type(tool_name) != ToolType.READ:
             self.own()  # (an unknown tool raises before it reaches the database)
-        return self._use_tool(tool_name=tool_name, **kwargs)
+        return type(kit).use_tool(kit, tool_name=tool_name, **kwargs)
 
     def update_db(self, update_data: dict[str, Any] | None = None) -> None:
         self.own()
-        self._update_db(update_data)
+        type(self.kit).update_db(self.kit, update_data)
 
     def get_db_hash(self) -> str:
-        return self.shared.hash if self.shares and not self.wrote_shared else self._hash()
+        if self.shares and not self.wrote_shared:
+            return self.shared.hash
+        return type(self.kit).get_db_hash(self.kit)
 
     def run_env_function_call(self, env_function_call: Any) -> Any:
         if env_function_call.env_type == "assistant":
             self.own()
-        return self._run_function(env_function_call)
+        env = self._env()
+        return type(env).run_env_function_call(env, env_function_call)
 
 
 def fresh_tau2_env(domain: str, solo_mode: bool = False):
