@@ -36,7 +36,7 @@ from trace_lib.records import Message  # noqa: E402
 
 def private_tau2_env(domain: str, solo_mode: bool = False):
     """The constructor before copy-on-write: a private unpickled database for every environment."""
-    return tau2._module(domain).get_environment(db=pickle.loads(tau2._db_bytes(domain)), solo_mode=solo_mode)
+    return tau2._module(domain).get_environment(db=pickle.loads(tau2.pristine_db(domain).pickled), solo_mode=solo_mode)
 
 
 CONSTRUCTORS: dict[str, Callable] = {"private": private_tau2_env, "shared": tau2.fresh_tau2_env}

@@ -118,24 +118,25 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@lru_cache(maxsize=None)
-def _db_bytes(domain: str) -> bytes:
-    return pickle.dumps(_module(domain).get_environment().tools.db, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 @dataclass(frozen=True)
 class PristineDB:
-    """A domain's database as τ² ships it, shared by environments until they write, and its τ² hash."""
+    """A domain's database as τ² ships it, shared by environments until they write, its τ² hash, and
+    its pickle (what a private copy is unpickled from)."""
 
-    domain: str
     db: Any
     hash: str
+    pickled: bytes
+
+    def copy(self) -> Any:
+        with gc_paused():
+            return pickle.loads(self.pickled)
 
 
 @lru_cache(maxsize=None)
 def pristine_db(domain: str) -> PristineDB:
-    env = _module(domain).get_environment(db=pickle.loads(_db_bytes(domain)))
-    return PristineDB(domain=domain, db=env.tools.db, hash=env.tools.get_db_hash())
+    """Loaded from τ²'s files once per process."""
+    kit = _module(domain).get_environment().tools
+    return PristineDB(db=kit.db, hash=kit.get_db_hash(), pickled=pickle.dumps(kit.db, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def pristine_db_intact(domain: str) -> bool:
@@ -179,8 +180,7 @@ class _CopyOnWrite:
         if in_forked_copy():  # a forked copy's writes die with it: no copy, but no cached hash either
             self.wrote_shared = True
         else:
-            with gc_paused():
-                self.kit.db = pickle.loads(_db_bytes(self.shared.domain))
+            self.kit.db = self.shared.copy()
 
     def use_tool(self, tool_name: str, **kwargs: Any) -> Any:
         kit = self.kit
