@@ -238,7 +238,8 @@ def main() -> None:
     ap.add_argument("--rows", default="trl,ours")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
     ap.add_argument("--peak-gflops", type=float, default=256.0,
-                    help="the machine's bf16 matrix rate for update_floor_per_rollout (linear_dtype.py measures it)")
+                    help="the machine's matrix rate in GFLOP/s for update_floor_per_rollout, in the rows' training "
+                         "dtype: bf16 where the CPU has bf16 kernels, else fp32 (linear_dtype.py measures both)")
     ap.add_argument("--tool-formats", default="", help="comma list of model.tool_format values: each row once per "
                                                         "format (default: the prepared model's, once)")
     args = ap.parse_args()

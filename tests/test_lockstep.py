@@ -218,3 +218,16 @@ def test_a_resume_at_most_an_earlier_iteration_drops_the_later_checkpoints(tiny_
     again = train(resume_at_most=2)  # resumed from checkpoint-2: its third iteration is trained again
     assert again.rollouts_used == 12 and checkpoint_iterations(ckpt) == [2, 3]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.parametrize("differ", [{"dtype": "float32"}, {"shared_prompt": False}, {"micro_batch": 4}])
+def test_a_round_refuses_trainings_whose_loss_passes_would_differ(differ):
+    """With `micro_batch: 0` the rollouts per loss pass follow `shared_prompt` and the dtype; trainings whose
+    gradient accumulation steps differ cannot wait for a round at the same micro-step."""
+    sampler = LockstepSampler(lambda: None, seed=0)
+    sampler.policy = SimpleNamespace(clear_prefix_cache=lambda: None)
+    sampler._order = {"a": 0, "b": 1}
+    sampler._handed = {"a": ([], TrainConfig(dtype="bfloat16"), 0),
+                       "b": ([], TrainConfig(dtype="bfloat16").model_copy(update=differ), 0)}
+    with pytest.raises(ValueError, match=f"'a' and 'b' differ in \\['{next(iter(differ))}'\\]"):
+        sampler._play_round()

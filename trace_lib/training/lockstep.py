@@ -43,11 +43,12 @@ from trace_lib.training.grpo import Episode, play
 T = TypeVar("T")
 
 SHARED_KEYS = ("max_new_tokens", "constrained", "tool_choice", "tool_result_tokens", "continuous_batching",
-               "groups", "group_size", "micro_batch")
+               "groups", "group_size", "micro_batch", "shared_prompt", "dtype")
 """The train settings a round's trainings must share. The first five: the round's episodes are decoded in one
-call (each training samples at its own `temperature`). The last three set TRL's gradient accumulation steps,
+call (each training samples at its own `temperature`). The last five set TRL's gradient accumulation steps,
 which Accelerate keeps in one process-wide state: every training must wait for its round at the same
-micro-step."""
+micro-step. `micro_batch: 0` picks the rollouts per loss pass from `shared_prompt` and, on a CPU, the training
+dtype (`trainer._micro_batch`), so those two count as well."""
 
 PLACEHOLDER = "_lockstep"
 """The sampling model's own adapter (PEFT needs one to wrap a model); no episode is decoded under it."""
