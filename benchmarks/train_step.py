@@ -64,7 +64,7 @@ from transformers import set_seed
 import trace_lib.agent.policy as policy_mod
 import trace_lib.training.shared_prompt as shared_prompt_mod
 import trace_lib.training.trainer as trainer_mod
-from trace_lib.agent.model import has_bf16_kernels, resolve_model
+from trace_lib.agent.model import bf16_is_faster, has_bf16_kernels, resolve_model
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
@@ -310,7 +310,8 @@ def main() -> None:
     print(f"\ncapability={args.capability} iterations={args.iterations} groups={base.groups} "
           f"group_size={base.group_size} threads={args.threads} torch={torch.__version__} "
           f"cpu_capability={torch.backends.cpu.get_cpu_capability()} "
-          f"cpu_bf16_kernels={has_bf16_kernels(torch.device('cpu'))}")
+          f"cpu_bf16_kernels={has_bf16_kernels(torch.device('cpu'))} "
+          f"cpu_bf16_faster={bf16_is_faster(torch.device('cpu'))}")
     refs = [ref for ref in ("trl-env", "trl") if ref in results]
     print("| row | rollouts | s/rollout | sampling s/rollout | update s/rollout |"
           + "".join(f" vs {ref} |" for ref in refs))

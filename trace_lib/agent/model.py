@@ -213,8 +213,8 @@ def has_bf16_kernels(device: Any) -> bool:
     """Whether bf16 matrix products have fast kernels on `device` (a torch.device): on a CPU, whether oneDNN
     has bf16 kernels for its instruction set (AVX-512 or AMX). Without them torch falls back to a reference
     GEMM: on a 2-core AVX2 EPYC a prefill block of SmolLM2's linear layers took 6.1x fp32's time in bf16, a
-    16-row decoding step 2.4x (benchmarks/README.md: linear_dtype, 2026-11-28); on AVX-512 bf16 it was
-    ~1.8x faster than fp32."""
+    16-row decoding step 2.4x (benchmarks/README.md: linear_dtype, 2026-11-28). Having them does not make bf16
+    faster than fp32 everywhere: `bf16_is_faster`."""
     import torch
 
     if device.type == "cuda":
@@ -227,12 +227,45 @@ def has_bf16_kernels(device: Any) -> bool:
     return False
 
 
+def _cpu_vendor() -> str:
+    """The CPU's vendor id as Linux reports it ('GenuineIntel', 'AuthenticAMD'), or '' where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def bf16_is_faster(device: Any) -> bool:
+    """Whether computing in bf16 is faster than in fp32 on `device`. On a GPU: where it supports bf16. On a CPU
+    it takes bf16 kernels (`has_bf16_kernels`) and a unit that runs them fast: AMX on Intel, or AVX-512 bf16 on
+    AMD. Measured on 2-core machines (benchmarks/README.md: linear_dtype), SmolLM2's linear layers at 256 rows
+    took 0.27x fp32's time in bf16 on an Intel Xeon with AMX and 0.23x on a Zen 5 EPYC, but 1.53x on an Intel
+    Xeon that has AVX-512 bf16 without AMX (~1x at 8 and 16 rows), where oneDNN's bf16 products ran at ~165
+    GFLOP/s against fp32's ~255."""
+    import torch
+
+    if not has_bf16_kernels(device):
+        return False
+    if device.type != "cpu":
+        return True
+    vendor = _cpu_vendor()
+    if vendor == "AuthenticAMD":
+        return True
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    amx_allowed = isa.startswith(("ALL", "DEFAULT", "AMX"))
+    return vendor == "GenuineIntel" and amx_allowed and bool(torch.cpu._is_amx_tile_supported())
+
+
 def compute_dtype(dtype: str, device: Any) -> str:
-    """The dtype weights are computed in: `dtype` itself, or for 'auto' bfloat16 where `device` has bf16
-    kernels (`has_bf16_kernels`) and float32 elsewhere."""
+    """The dtype weights are computed in: `dtype` itself, or for 'auto' bfloat16 where that is faster on `device`
+    (`bf16_is_faster`) and float32 elsewhere."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if has_bf16_kernels(device) else "float32"
+    return "bfloat16" if bf16_is_faster(device) else "float32"
 
 
 def numerics(device: Any = None) -> dict[str, Any]:
@@ -248,6 +281,7 @@ def numerics(device: Any = None) -> dict[str, Any]:
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_bf16_kernels": has_bf16_kernels(torch.device("cpu")),
+            "cpu_bf16_faster": bf16_is_faster(torch.device("cpu")),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
             **_thread_record(), "omp_wait_policy": _omp_wait_policy(),
             "cuda": torch.cuda.is_available(), **({"device": str(device)} if device is not None else {})}

@@ -149,8 +149,8 @@ def stable_target_modules(model: Any) -> None:
 
 
 def train_dtype(cfg: TrainConfig) -> str:
-    """The base weights' dtype while training (`train.dtype`; 'auto': bfloat16 where the training device has
-    bf16 kernels, CUDA or a CPU with oneDNN's AVX-512/AMX bf16, else float32: `agent.model.compute_dtype`)."""
+    """The base weights' dtype while training (`train.dtype`; 'auto': bfloat16 where it is faster than float32
+    on the training device, CUDA or a CPU with AMX or AMD's AVX-512 bf16, else float32: `agent.model.compute_dtype`)."""
     from trace_lib.agent.model import compute_dtype
     from trace_lib.agent.policy import resolve_device
 
