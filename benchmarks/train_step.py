@@ -13,7 +13,7 @@ weights' dtype:
                the iteration in passes of up to 8 rollouts in fp32, 32 in bf16 (`train.micro_batch: 0`);
                episodes sampled with continuous batching
                (`Policy.play_turns`); base weights in the params' `train.dtype` (the CPU default's 'auto':
-               bf16 where the CPU has bf16 kernels, else fp32); `ours-bf16`, `ours-fp32`: either dtype
+               bf16 where it is faster than fp32, else fp32); `ours-bf16`, `ours-fp32`: either dtype
     ours-free  the same, sampled as TRL's loop samples: no grammar, no forced first tool call
     ours-turns  `ours` sampled turn by turn (`train.continuous_batching: false`): each turn of the live
                episodes one decoding call, which runs until its longest row stops
@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="also write the results as JSON here")
     ap.add_argument("--peak-gflops", type=float, default=256.0,
                     help="the machine's matrix rate in GFLOP/s for update_floor_per_rollout, in the rows' training "
-                         "dtype: bf16 where the CPU has bf16 kernels, else fp32 (linear_dtype.py measures both)")
+                         "dtype: for `auto` bf16 where it is faster, else fp32 (linear_dtype.py measures both)")
     ap.add_argument("--tool-formats", default="", help="comma list of model.tool_format values: each row once per "
                                                         "format (default: the prepared model's, once)")
     args = ap.parse_args()

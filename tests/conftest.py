@@ -26,7 +26,8 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _auto_dtype_is_fp32_on_every_cpu(request, monkeypatch):
     """`dtype: auto` computes in fp32 on any CPU inside the test process, so a test's numbers and tolerances
-    do not depend on whether this CPU has bf16 kernels (`agent.model.has_bf16_kernels`); tests marked
+    do not depend on whether this CPU computes bf16 fast (`agent.model.bf16_is_faster`, which asks
+    `has_bf16_kernels` first); tests marked
     `cpu_bf16_kernels` see the real answer. Stages run by dvc or papermill (the e2e tests) are other
     processes and take the machine's own answer, as `make repro` does."""
     if request.node.get_closest_marker("cpu_bf16_kernels"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -231,11 +230,15 @@ def test_bf16_kernels_are_reported_for_the_cpu_and_recorded_in_numerics(monkeypa
 
 
 @pytest.mark.parametrize("vendor, amx, isa, kernels, expected", [
-    ("AuthenticAMD", False, None, True, True),     # AVX-512 bf16 on a Zen 4/5 EPYC: 0.23x fp32's time at 256 rows
+    ("AuthenticAMD", False, None, True, True),     # AVX-512 bf16 on an EPYC (Zen 5: 0.23x fp32's time at 256 rows)
+    ("AuthenticAMD", False, "AVX512_CORE_BF16", True, True),
+    ("AuthenticAMD", False, "AVX512_CORE_VNNI", True, False),  # pinned below bf16: emulated
     ("GenuineIntel", True, None, True, True),      # AMX: 0.27x
     ("GenuineIntel", False, None, True, False),    # AVX-512 bf16 without AMX: 1.53x
+    ("GenuineIntel", None, None, True, False),     # a torch without the private AMX check
     ("GenuineIntel", True, "AVX512_CORE_BF16", True, False),  # AMX there, but oneDNN pinned below it
-    ("GenuineIntel", True, "AMX", True, True),
+    ("GenuineIntel", True, "AVX512_CORE_AMX", True, True),
+    ("GenuineIntel", True, "default", True, True),
     ("AuthenticAMD", False, None, False, False),   # no bf16 kernels at all (AVX2): the reference GEMM
     ("", True, None, True, False),                 # vendor unknown: fp32
 ])
@@ -245,7 +248,10 @@ def test_bf16_is_faster_on_a_cpu_only_with_amx_on_intel_or_avx512_bf16_on_amd(mo
 
     monkeypatch.setattr(model_mod, "has_bf16_kernels", lambda device: kernels)
     monkeypatch.setattr(model_mod, "_cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    if amx is None:
+        monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    else:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     if isa is None:
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     else:
@@ -254,14 +260,21 @@ def test_bf16_is_faster_on_a_cpu_only_with_amx_on_intel_or_avx512_bf16_on_amd(mo
     assert model_mod.compute_dtype("auto", torch.device("cpu")) == ("bfloat16" if expected else "float32")
 
 
-def test_the_cpu_vendor_is_read_from_linux(monkeypatch):
+def test_the_cpu_vendor_is_read_from_linux(tmp_path, monkeypatch):
+    import builtins
+
     from trace_lib.agent.model import _cpu_vendor
 
-    vendor = _cpu_vendor()
-    if Path("/proc/cpuinfo").exists():
-        assert vendor and vendor == vendor.strip()
-    else:
-        assert vendor == ""
+    real_open = builtins.open
+    for text, expected in [("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t: fpu\n", "GenuineIntel"),
+                           ("processor\t: 0\nBogoMIPS\t: 50.00\n", "")]:  # aarch64 lists no vendor_id
+        fake = tmp_path / "cpuinfo"
+        fake.write_text(text)
+        monkeypatch.setattr(builtins, "open", lambda path, *a, **kw: real_open(fake if path == "/proc/cpuinfo" else path,
+                                                                              *a, **kw))
+        assert _cpu_vendor() == expected
+    monkeypatch.setattr(builtins, "open", lambda *a, **kw: (_ for _ in ()).throw(OSError("no /proc")))
+    assert _cpu_vendor() == ""
 
 
 def test_threads_and_model_json_pointer(tiny_model_dir, tmp_path):

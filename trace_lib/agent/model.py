@@ -250,14 +250,22 @@ def bf16_is_faster(device: Any) -> bool:
 
     if not has_bf16_kernels(device):
         return False
+    if device.type == "cuda":  # a GPU that only emulates bf16 (before Ampere) computes it slower than fp32
+        try:
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        except TypeError:  # a torch without the argument
+            return True
     if device.type != "cpu":
         return True
     vendor = _cpu_vendor()
-    if vendor == "AuthenticAMD":
-        return True
+    # oneDNN's ISA names (AVX512_CORE_BF16, AVX512_CORE_AMX, AVX10_1_512_AMX, ...); a pin below bf16 or AMX
+    # leaves oneDNN without the fast unit
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    amx_allowed = isa.startswith(("ALL", "DEFAULT", "AMX"))
-    return vendor == "GenuineIntel" and amx_allowed and bool(torch.cpu._is_amx_tile_supported())
+    unpinned = isa in ("ALL", "DEFAULT")
+    if vendor == "AuthenticAMD":
+        return unpinned or any(unit in isa for unit in ("BF16", "AMX", "AVX10"))
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # a private check: absent in some torch versions
+    return vendor == "GenuineIntel" and (unpinned or "AMX" in isa) and amx is not None and bool(amx())
 
 
 def compute_dtype(dtype: str, device: Any) -> str:
