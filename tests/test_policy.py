@@ -260,21 +260,15 @@ def test_bf16_is_faster_on_a_cpu_only_with_amx_on_intel_or_avx512_bf16_on_amd(mo
     assert model_mod.compute_dtype("auto", torch.device("cpu")) == ("bfloat16" if expected else "float32")
 
 
-def test_the_cpu_vendor_is_read_from_linux(tmp_path, monkeypatch):
-    import builtins
-
+def test_the_cpu_vendor_is_read_from_linux(tmp_path):
     from trace_lib.agent.model import _cpu_vendor
 
-    real_open = builtins.open
+    cpuinfo = tmp_path / "cpuinfo"
     for text, expected in [("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t: fpu\n", "GenuineIntel"),
                            ("processor\t: 0\nBogoMIPS\t: 50.00\n", "")]:  # aarch64 lists no vendor_id
-        fake = tmp_path / "cpuinfo"
-        fake.write_text(text)
-        monkeypatch.setattr(builtins, "open", lambda path, *a, **kw: real_open(fake if path == "/proc/cpuinfo" else path,
-                                                                              *a, **kw))
-        assert _cpu_vendor() == expected
-    monkeypatch.setattr(builtins, "open", lambda *a, **kw: (_ for _ in ()).throw(OSError("no /proc")))
-    assert _cpu_vendor() == ""
+        cpuinfo.write_text(text)
+        assert _cpu_vendor(str(cpuinfo)) == expected
+    assert _cpu_vendor(str(tmp_path / "missing")) == ""  # no /proc: unknown
 
 
 def test_threads_and_model_json_pointer(tiny_model_dir, tmp_path):

@@ -221,16 +221,21 @@ def has_bf16_kernels(device: Any) -> bool:
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
         # a run pinned to an instruction set below AVX-512 (README: Same seed, same bytes) computes as such a CPU does
-        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+        isa = _onednn_max_isa()
         pinned_below = not isa.startswith(("ALL", "DEFAULT", "AVX512", "AVX10", "AMX"))
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not pinned_below
     return False
 
 
-def _cpu_vendor() -> str:
+def _onednn_max_isa() -> str:
+    """oneDNN's instruction-set pin (`ONEDNN_MAX_CPU_ISA`, upper case; 'ALL' when unset)."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+
+
+def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's vendor id as Linux reports it ('GenuineIntel', 'AuthenticAMD'), or '' where it cannot be read."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("vendor_id"):
                     return line.split(":", 1)[1].strip()
@@ -260,7 +265,7 @@ def bf16_is_faster(device: Any) -> bool:
     vendor = _cpu_vendor()
     # oneDNN's ISA names (AVX512_CORE_BF16, AVX512_CORE_AMX, AVX10_1_512_AMX, ...); a pin below bf16 or AMX
     # leaves oneDNN without the fast unit
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    isa = _onednn_max_isa()
     unpinned = isa in ("ALL", "DEFAULT")
     if vendor == "AuthenticAMD":
         return unpinned or any(unit in isa for unit in ("BF16", "AMX", "AVX10"))
