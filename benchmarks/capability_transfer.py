@@ -8,7 +8,7 @@ snapshots on held-out synthetic tasks and on --target-n tasks per family of the 
 already trained under --root (an earlier run's) is evaluated, not trained again: rerun with other --target-n or
 --families and another --out.
 Prints one JSON object (also written to --out/result.json): training curve, held-out and target successes per
-family, and seconds. Runs on whatever device `--profile` selects (cpu: the CPU default; gpu: CUDA).
+family, and seconds; every evaluation episode goes to --out/episodes.jsonl (policy, set, trajectory). Runs on whatever device `--profile` selects (cpu: the CPU default; gpu: CUDA).
 
     .venv/bin/python benchmarks/capability_transfer.py --root /tmp/ct --capability structured_data_reasoning \\
         --iterations 10 --hint-fraction 0.5 --start-late 0.5 --partial-credit 0.5 --eval-every 5 \\
@@ -148,15 +148,20 @@ def main() -> None:
         target_tasks = make_tasks(env_cfg, args.target_split)
         t0 = time.perf_counter()
         result["held_out"], result["target"] = {}, {}
+        episodes: list[str] = []
         for name in [None, *adapters]:
             label = name or "base"
             # as the evaluate stage's interference table plays them
             trajs = evaluate_policy(policy, synth_tasks, lambda: SyntheticEnv(box, params.env), cfg, args.seed, name)
             result["held_out"][label] = f"{sum(t.success for t in trajs)}/{len(trajs)}"
-            trajs = evaluate_policy(policy, target_tasks, lambda: make_env(env_cfg), cfg, args.seed, name)
-            result["target"][label] = _successes(trajs, target_tasks)
+            target_trajs = evaluate_policy(policy, target_tasks, lambda: make_env(env_cfg), cfg, args.seed, name)
+            result["target"][label] = _successes(target_trajs, target_tasks)
+            for split, ts in (("held_out", trajs), ("target", target_trajs)):
+                episodes += [json.dumps({"policy": label, "set": split, "trajectory": t.model_dump(mode="json")},
+                                        sort_keys=True) for t in sorted(ts, key=lambda t: t.task_id)]
             print(label, result["held_out"][label], result["target"][label]["families"], flush=True)
         result["eval_seconds"] = round(time.perf_counter() - t0, 1)
+        atomic_write_text(Path(args.out or root) / "episodes.jsonl", "".join(e + "\n" for e in episodes))
     text = json.dumps(result, indent=1)
     atomic_write_text(Path(args.out or root) / "result.json", text + "\n")
     print(text)

@@ -278,6 +278,26 @@ def test_confirmation_declined_means_nothing_written(bound):
     assert all(not any("tool" in a and "cancel" in a["tool"] for a in b.solve(t)) for t in declined)
 
 
+def test_communicate_result_asks_for_totals_and_refuses_cancellations(bound):
+    """Difficulty 0 asks for one fact the lookup returns (the total paid among them), or asks to cancel an order
+    that is no longer pending: saying its status wins, attempting the cancellation fails the episode."""
+    b = bound["communicate_result", "retail"]
+    tasks = [b.generate_task(seed, 0) for seed in range(30)]
+    refusals = [t for t in tasks if "cancel" in t["user"]["reason_for_call"]]
+    assert len({t["user"]["reason_for_call"].split("#")[0] for t in refusals}) >= 2  # asked in several ways
+    assert 5 <= len(refusals) <= 15
+    assert any("pay in total" in t["user"]["reason_for_call"] for t in tasks)
+    for t in refusals:
+        (lookup,) = t["gold_actions"]
+        status = t["required_outputs"][0]
+        assert status in ("processed", "delivered") and lookup["name"] == "get_order_details"
+        assert play(b, t, b.solve(t)) == 1.0
+        cancel = {"tool": "cancel_pending_order",
+                  "arguments": {"order_id": lookup["arguments"]["order_id"], "reason": "no longer needed"}}
+        score, info = play_rubric(b, t, [b.solve(t)[0], cancel, {"say": f"Your order is {status}."}])
+        assert score == 0.0 and info["gates"] == {"no_write": False}
+
+
 # --- rendering ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("target", TARGETS, ids=[t["name"] for t in TARGETS])
 def test_rendered_module_parses_is_stable_and_satisfies_the_contract(target):

@@ -159,20 +159,55 @@ def _identity_check(ep: Episode, task: dict[str, Any], c: Checks) -> dict[str, A
 
 # --- communicate_result -------------------------------------------------------------------------
 def _plain_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
-    """(question, value(s), answer) for the order's top-level facts; the status always comes first."""
+    """(question, value(s), answer) for the order's top-level facts: its status, the items in it, the city it
+    ships to and (one payment) the total paid, in random order given `rng` (else in that order)."""
     order = db.orders[oid]
     names = list(dict.fromkeys(i.name for i in order.items))
-    others = [(f"which items are in order {oid}", names, f"Order {oid} contains: {', '.join(names)}."),
-              (f"which city is order {oid} shipped to", order.address.city,
-               f"Order {oid} ships to {order.address.city}.")]
+    facts = [(f"what is the status of order {oid}", order.status, f"Order {oid} is {order.status}."),
+             (f"which items are in order {oid}", names, f"Order {oid} contains: {', '.join(names)}."),
+             (f"which city is order {oid} shipped to", order.address.city,
+              f"Order {oid} ships to {order.address.city}.")]
+    if len(order.payment_history) == 1:
+        amount = money(order.payment_history[0].amount)
+        facts.append((f"how much did I pay in total for order {oid}", amount,
+                      f"You paid {amount} in total for order {oid}."))
     if rng is not None:
-        rng.shuffle(others)
-    return [(f"what is the status of order {oid}", order.status, f"Order {oid} is {order.status}.")] + others
+        rng.shuffle(facts)
+    return facts
+
+
+def _refusal_task(pool: Pool, rng: random.Random) -> dict[str, Any]:
+    """A user asks to cancel an order that is no longer pending: the agent reads it, changes nothing and
+    tells them its status (the fact that answers them)."""
+    db = pool.db
+    oid = rng.choice(pool.orders("processed", "delivered"))
+    status = db.orders[oid].status
+    gold = [call("get_order_details", order_id=oid)]
+    return dict(
+        instruction=f"The user asks to cancel order {oid}, which is '{status}' and cannot be cancelled; the agent "
+                    f"looks it up, cancels nothing and must say its status: {status}.",
+        user={"reason_for_call": rng.choice(REFUSAL_ASKS).format(oid=oid),
+              "known_info": {"order_id": oid, "reason": "no longer needed"}},
+        gold_actions=gold, required_outputs=[status],
+        plan=[act(g) for g in gold] + [say(f"Order {oid} is {status}, so it cannot be cancelled.")],
+        user_id=db.orders[oid].user_id, orders=[oid],
+    )
+
+
+REFUSAL_ASKS = ("Hi, please cancel my order {oid}, I no longer need it.",
+                "I want to cancel order {oid}. I don't need it anymore.",
+                "Can you cancel my order {oid} for me? I no longer need it.",
+                "Hello, I'd like order {oid} cancelled, please.")
+"""How a user asks to cancel an order that can no longer be cancelled."""
+REFUSAL_SHARE = 1 / 3
+"""Share of difficulty-0 communicate_result tasks that are a refused cancellation rather than a question."""
 
 
 def _communicate_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
+    if d == 0 and rng.random() < REFUSAL_SHARE:
+        return _refusal_task(pool, rng)
     return _fact_task(pool, rng, ("pending", "processed", "delivered", "cancelled"), _plain_facts,
-                      [[1], [2], [2, 1], [2, 2]][d], "every fact asked for (status, each item, city)")
+                      [[1], [2], [2, 1], [2, 2]][d], "every fact asked for (status, each item, city, total paid)")
 
 
 TEMPLATES = (
@@ -198,9 +233,12 @@ TEMPLATES = (
              "0: address; 1: status of the only order; 2: either, by name and zip; 3: all 2-3 orders.",
              _identity_task, _identity_check),
     Template("communicate_result",
-             "the user asks for facts the order lookup returns: status, the items in it, the city it ships to.",
+             "the user asks for facts the order lookup returns (status, the items in it, the city it ships to, "
+             "the total paid), or asks to cancel an order that is no longer pending, which the agent answers "
+             "with its status and no change.",
              "steps orders_read (share of the orders read) and facts_said (share of the facts asked for said, each "
-             "item name of a list); gate no_write.",
-             "0: one status; 1: two facts; 2: three facts over two orders; 3: four facts over two orders.",
+             "item name of a list); gate no_write (a cancellation attempted fails the episode).",
+             "0: one fact, or (a third of tasks) a refused cancellation; 1: two facts; 2: three facts over two "
+             "orders; 3: four facts over two orders.",
              _communicate_task, _facts_check),
 )
