@@ -8,7 +8,8 @@ snapshots on held-out synthetic tasks and on --target-n tasks per family of the 
 already trained under --root (an earlier run's) is evaluated, not trained again: rerun with other --target-n or
 --families and another --out.
 Prints one JSON object (also written to --out/result.json): training curve, held-out and target successes per
-family, and seconds; every evaluation episode goes to --out/episodes.jsonl (policy, set, trajectory). Runs on whatever device `--profile` selects (cpu: the CPU default; gpu: CUDA).
+family, and seconds; every evaluation episode goes to --out/episodes.jsonl (policy, set, trajectory). Runs on
+whatever device `--profile` selects (cpu: the CPU default; gpu: CUDA).
 
     .venv/bin/python benchmarks/capability_transfer.py --root /tmp/ct --capability structured_data_reasoning \\
         --iterations 10 --hint-fraction 0.5 --start-late 0.5 --partial-credit 0.5 --eval-every 5 \\
