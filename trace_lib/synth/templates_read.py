@@ -60,6 +60,13 @@ def _precision_check(ep: Episode, task: dict[str, Any], c: Checks) -> dict[str, 
 
 
 # --- structured_data_reasoning ------------------------------------------------------------------
+def _total_paid(order, oid: str) -> tuple[str, str, str]:
+    """(question, value, answer) for the amount of an order's only payment: asked by structured_data_reasoning
+    (a value nested in the payment history) and communicate_result (a fact the lookup returns)."""
+    amount = money(order.payment_history[0].amount)
+    return (f"how much did I pay in total for order {oid}", amount, f"You paid {amount} in total for order {oid}.")
+
+
 def _nested_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
     """(question, value, answer) for facts nested inside the order record: at most one of each kind
     (item price, tracking number, amount paid, item option), kinds in random order given `rng`."""
@@ -74,9 +81,7 @@ def _nested_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, An
         kinds.append([(f"what is the tracking number of order {oid}", tid,
                        f"The tracking number of order {oid} is {tid}.")])
     if len(order.payment_history) == 1:
-        amount = money(order.payment_history[0].amount)
-        kinds.append([(f"how much did I pay in total for order {oid}", amount,
-                       f"You paid {amount} in total for order {oid}.")])
+        kinds.append([_total_paid(order, oid)])
     kinds.append([(f"what {key} is the {it.name} in order {oid}", str(it.options[key]),
                    f"The {key} of the {it.name} in order {oid} is {it.options[key]}.")
                   for it in uniq for key in ("color", "material") if key in it.options])
@@ -168,12 +173,19 @@ def _plain_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any
              (f"which city is order {oid} shipped to", order.address.city,
               f"Order {oid} ships to {order.address.city}.")]
     if len(order.payment_history) == 1:
-        amount = money(order.payment_history[0].amount)
-        facts.append((f"how much did I pay in total for order {oid}", amount,
-                      f"You paid {amount} in total for order {oid}."))
+        facts.append(_total_paid(order, oid))
     if rng is not None:
         rng.shuffle(facts)
     return facts
+
+
+REFUSAL_ASKS = ("Hi, please cancel my order {oid}, I no longer need it.",
+                "I want to cancel order {oid}. I don't need it anymore.",
+                "Can you cancel my order {oid} for me? I no longer need it.",
+                "Hello, I'd like order {oid} cancelled, please.")
+"""How a user asks to cancel an order that can no longer be cancelled."""
+REFUSAL_SHARE = 1 / 3
+"""Share of difficulty-0 communicate_result tasks that are a refused cancellation rather than a question."""
 
 
 def _refusal_task(pool: Pool, rng: random.Random) -> dict[str, Any]:
@@ -192,15 +204,6 @@ def _refusal_task(pool: Pool, rng: random.Random) -> dict[str, Any]:
         plan=[act(g) for g in gold] + [say(f"Order {oid} is {status}, so it cannot be cancelled.")],
         user_id=db.orders[oid].user_id, orders=[oid],
     )
-
-
-REFUSAL_ASKS = ("Hi, please cancel my order {oid}, I no longer need it.",
-                "I want to cancel order {oid}. I don't need it anymore.",
-                "Can you cancel my order {oid} for me? I no longer need it.",
-                "Hello, I'd like order {oid} cancelled, please.")
-"""How a user asks to cancel an order that can no longer be cancelled."""
-REFUSAL_SHARE = 1 / 3
-"""Share of difficulty-0 communicate_result tasks that are a refused cancellation rather than a question."""
 
 
 def _communicate_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
