@@ -27,9 +27,11 @@ from trace_lib.evaluation.runner import (
 )
 from trace_lib.evaluation.tables import (
     MethodRun,
+    hindsight_route,
     markdown,
     not_run_table,
     paired_table,
+    route_solvers,
     routing_table,
     summarize_runs,
     table1,
@@ -363,6 +365,41 @@ def test_table1_renders_not_run_rows_budget_and_best_single():
     assert [r for r in runs if r.key == "base"][0].summary["trace_vs"]["trace"] == "trace_argmax"
 
 
+def test_hindsight_route_takes_a_solving_route_per_task_and_scores_routers_by_it():
+    runs = _runs()  # base 0000011111, single a 1110011111, single b 0000001111
+    solvers = route_solvers(runs)
+    assert solvers == {"t0": ["a"], "t1": ["a"], "t2": ["a"], "t5": ["none", "a"],
+                       **{f"t{i}": ["none", "a", "b"] for i in range(6, 10)}}
+    bound = hindsight_route(runs, budget=660)
+    assert bound is not None and bound.key == "hindsight_route" and bound.budget == 660
+    assert [t.success for t in bound.trajectories] == [True] * 3 + [False] * 2 + [True] * 5
+    assert [t.id for t in bound.trajectories] == [t.id for t in runs[0].trajectories]
+    assert bound.trajectories[0] is runs[5].trajectories[0] and bound.trajectories[3] is runs[0].trajectories[3]
+    assert hindsight_route([r for r in runs if r.method != "single"]) is None  # no single adapter: no bound
+    assert hindsight_route([r for r in runs if r.key != "base"]) is None
+    summarize_runs([*runs, bound], n_boot=200, seed=0)
+    row = routing_table([*runs, bound], 660).set_index("method").loc["best route per task, in hindsight (bound)"]
+    assert row["overall"].startswith("80.0 [") and row["Δ vs base (pp)"].startswith("+30.0 [")
+
+    adapters = ["a", "b"]
+    tasks = [tagged(i, ["a"] if i < 3 else ["b"] if i == 3 else []) for i in range(10)]
+
+    def dec(i, probs):
+        return RouteDecision(task_id=f"t{i}", mode="argmax", candidates=adapters, labels=[" A", " B", " C"],
+                             probs=probs, label_mass=0.5)
+
+    to_a, to_b, to_none = [0.8, 0.1, 0.1], [0.1, 0.8, 0.1], [0.1, 0.1, 0.8]
+    ds = [dec(0, to_a), dec(1, to_b), dec(2, to_none), dec(3, to_a), dec(4, to_b), dec(5, to_b),
+          *(dec(i, to_none) for i in range(6, 10))]
+    q = routing_quality(ds, tasks, adapters, solvers=solvers)
+    # 8 tasks solvable (t3, t4 by no route); the router's route solves t0 and t6-t9, not t1, t2, t5
+    assert q["solvable_tasks"] == 8 and q["router_solvable_hits"] == pytest.approx(5 / 8)
+    # the oracle routes the tagged solvable tasks t0-t2 to a: all solved
+    assert q["oracle_solvable_hits"] == 1.0
+    plain = routing_quality(ds, tasks, adapters)
+    assert plain["solvable_tasks"] is None and plain["router_solvable_hits"] is None
+
+
 def _adapter(root, name, used, baseline=False):
     folder = root / "data" / "adapters" / ("_baselines" if baseline else "") / name
     folder.mkdir(parents=True)
@@ -479,7 +516,14 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     methods = metrics["methods"]
     ran = {k for k, v in methods.items() if v["status"] == "run"}
     assert ran == {"base", "linear_merge", "single_best", "single_precondition_verification",
-                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p", "distilled"}
+                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p", "distilled",
+                   "hindsight_route"}
+    assert methods["hindsight_route"]["rollouts"] == 18
+    assert methods["hindsight_route"]["overall"]["successes"] >= max(
+        methods[k]["overall"]["successes"] for k in ("base", "single_precondition_verification",
+                                                     "single_structured_data_reasoning"))
+    assert metrics["routing"]["solvable_tasks"] == methods["hindsight_route"]["overall"]["successes"]
+    assert routers["knn"]["train"]["solvable_tasks"] is None
     assert methods["gepa"]["reason"] == RULES_REASON and "no adapter at" in methods["grpo_target"]["reason"]
     # TRACE's budget: 2 x 8 training rollouts plus the 2 discovery rollouts on the target; the student adds its 4
     assert methods["trace_argmax"]["rollouts"] == 18 and metrics["trace_budget"]["total"] == 18
@@ -556,7 +600,8 @@ def test_run_evaluate_on_a_server_without_a_local_model(tmp_path, tiny_model_dir
     assert metrics["numerics"]["device"] == "server" and metrics["policy_id"] == tiny_model_dir.name
     ran = {k for k, v in metrics["methods"].items() if v["status"] == "run"}
     assert ran == {"base", "linear_merge", "single_best", "single_precondition_verification",
-                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p"}
+                   "single_structured_data_reasoning", "oracle_route", "trace_argmax", "trace_top_p",
+                   "hindsight_route"}
     loads = {b["lora_name"]: b["lora_path"] for path, b in api.requests if path == "/v1/load_lora_adapter"}
     caps = {"precondition_verification", "structured_data_reasoning"}
     assert caps < set(loads) and all(Path(loads[c]) == (tmp_path / "data" / "adapters" / c).resolve() for c in caps)

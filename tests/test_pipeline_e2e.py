@@ -205,8 +205,11 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
     ran = {k for k, v in ev["methods"].items() if v["status"] == "run"}
     # the cpu profile's methods: every one but GEPA (no LLM) and TRACE top-p, baselines at TRACE's budget
     assert ran == {"base", "grpo_target", "merged_data", "linear_merge", "oracle_route", "trace_argmax",
-                   "single_best"} | {k for k in ev["methods"] if k.startswith("single_")} | (
+                   "single_best", "hindsight_route"} | {k for k in ev["methods"] if k.startswith("single_")} | (
                        {"distilled"} if "distilled" in ev["baselines"] else set())
+    # an argmax router takes one of the routes the bound chooses among, so it never solves more
+    solved = {k: ev["methods"][k]["overall"]["successes"] for k in ("hindsight_route", "trace_argmax", "oracle_route")}
+    assert solved["hindsight_route"] >= max(solved["trace_argmax"], solved["oracle_route"])
     budget = ev["trace_budget"]["total"]
     assert 0 < ev["methods"]["grpo_target"]["rollouts"] <= budget and ev["methods"]["linear_merge"]["rollouts"] == budget
     assert ev["tasks"] == 7 and ev["methods"]["grpo_target"]["trace_vs"]["trace"] == "trace_argmax"

@@ -23,6 +23,7 @@ from trace_lib.agent.rollout import collect_rollouts, collect_routed_rollouts
 from trace_lib.config import EnvConfig, EvaluateConfig, RolloutConfig
 from trace_lib.envs import load_tasks, task_split
 from trace_lib.envs.base import Environment
+from trace_lib.evaluation.tables import NONE_ROUTE as NONE
 from trace_lib.records import RouterName, Task, Trajectory
 from trace_lib.agent.adapters import canonical_weights, route_label
 from trace_lib.routing.compose import apply_route
@@ -235,16 +236,19 @@ def oracle_decisions(tasks: Sequence[Task], adapters: Sequence[str]) -> dict[str
     return out
 
 
-NONE = "none"
-
-
 def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], adapters: Sequence[str],
-                    seed: int = 0, solved: Collection[str] | None = None) -> dict[str, Any]:
+                    seed: int = 0, solved: Collection[str] | None = None,
+                    solvers: Mapping[str, Collection[str]] | None = None) -> dict[str, Any]:
     """Router vs oracle on tasks with capability tags: confusion counts (oracle row, router column;
     'none' = base model), accuracy of the router, of a seeded uniform random router over the same
     candidates (plus that random router's expected accuracy) and of the best constant router (always
     the oracle's most common label). Untagged tasks (τ²) are not scored. `solved`: ids of tasks the
-    base model solves; `solved_on_none` is the share of them the router leaves on the base model."""
+    base model solves; `solved_on_none` is the share of them the router leaves on the base model.
+
+    `solvers` (task id -> the routes that solved it, 'none' for the base model: `tables.route_solvers`):
+    `solvable_tasks` counts the routed tasks some route solved, `router_solvable_hits` the share of them
+    the router sent to a route that solved it, `oracle_solvable_hits` the same for the oracle (tagged
+    tasks only: the oracle routes no other)."""
     by_id = {d.task_id: d for d in decisions}
     labels = [*sorted(adapters), NONE]
     confusion = {o: {r: 0 for r in labels} for o in labels}
@@ -264,6 +268,9 @@ def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], a
         rand_hits += rand == oracle
         expected += (oracle in d.candidates or oracle == NONE) / (len(d.candidates) + 1)
     routed_none = {d.task_id for d in decisions if route_argmax(d.probs, d.candidates) is None}
+    solvable = [d for d in decisions if solvers and solvers.get(d.task_id)]
+    tags = {t.id: t for t in tasks if t.capability_tags}
+    oracle_solvable = [d for d in solvable if d.task_id in tags]
     masses = [d.label_mass for d in decisions if d.label_mass is not None]
     majority = max((sum(row.values()) for row in confusion.values()), default=0)
     solved_ids = sorted(set(solved or ()) & set(by_id))
@@ -278,6 +285,11 @@ def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], a
         "solved_tasks": len(solved_ids) if solved is not None else None,
         "solved_on_none": (sum(t in routed_none for t in solved_ids) / len(solved_ids)) if solved_ids else None,
         "mean_label_mass": sum(masses) / len(masses) if masses else None,
+        "solvable_tasks": len(solvable) if solvers is not None else None,
+        "router_solvable_hits": (sum((route_argmax(d.probs, d.candidates) or NONE) in solvers[d.task_id]
+                                     for d in solvable) / len(solvable)) if solvable else None,
+        "oracle_solvable_hits": (sum((oracle_route(tags[d.task_id], adapters) or NONE) in solvers[d.task_id]
+                                     for d in oracle_solvable) / len(oracle_solvable)) if oracle_solvable else None,
         "note": "" if scored else "no task carries capability tags (τ² tasks): router accuracy is undefined",
     }
 

@@ -24,8 +24,8 @@ from trace_lib.stats import compare, group_rows, rate_row
 TABLE1_ORDER = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single_best", "single", "trace_argmax",
                 "trace_top_p", "distilled")
 """Row order of Table 1; 'single' stands for every single-capability row after the best one."""
-ROUTING_ROWS = ("trace_argmax", "trace_top_p", "oracle_route", "linear_merge", "merged_data", "distilled",
-                "single_best")
+ROUTING_ROWS = ("trace_argmax", "trace_top_p", "oracle_route", "hindsight_route", "linear_merge", "merged_data",
+                "distilled", "single_best")
 EMPTY = "—"
 
 
@@ -92,6 +92,61 @@ def best_single(runs: Sequence[MethodRun]) -> MethodRun | None:
     return MethodRun("single", "single_best", f"single-capability (best: {best.key.removeprefix('single_')})",
                      best.trajectories, budget=best.budget, budget_source=best.budget_source,
                      note=f"best of {len(singles)} single adapters, chosen on this split", summary=best.summary)
+
+
+NONE_ROUTE = "none"
+"""The base model's route: no adapter."""
+
+
+def _route_runs(runs: Sequence[MethodRun]) -> list[tuple[str, MethodRun]]:
+    """(route, run) of every route an argmax router can take whose episodes ran: the base model first
+    ('none'), then each single adapter in name order."""
+    base = [(NONE_ROUTE, r) for r in runs if r.key == "base" and r.ran]
+    singles = sorted((r.key.removeprefix("single_"), r) for r in runs
+                     if r.method == "single" and r.key != "single_best" and r.ran)
+    return base + singles
+
+
+def route_solvers(runs: Sequence[MethodRun]) -> dict[str, list[str]]:
+    """Task id -> the routes ('none' or an adapter) with the highest success on it, when that is above 0
+    (with one greedy episode per task: the routes that solved it), in `_route_runs` order. Read from the
+    base and single-adapter episodes, so an argmax router's choice can be scored by what it solves."""
+    rates: dict[str, dict[str, float]] = {}
+    for route, run in _route_runs(runs):
+        for task, outcomes in _by_task(run.trajectories or []).items():
+            rates.setdefault(task, {})[route] = sum(outcomes) / len(outcomes)
+    out = {}
+    for task, by_route in sorted(rates.items()):
+        best = max(by_route.values())
+        if best > 0:
+            out[task] = [route for route, rate in by_route.items() if rate == best]
+    return out
+
+
+def _by_task(trajs: Sequence[Trajectory]) -> dict[str, list[bool]]:
+    out: dict[str, list[bool]] = {}
+    for t in trajs:
+        out.setdefault(t.task_id, []).append(t.success)
+    return out
+
+
+def hindsight_route(runs: Sequence[MethodRun], budget: int | None = None) -> MethodRun | None:
+    """Every task sent, after the fact, to a route that solved it: the episode of the base model when it
+    succeeded, else of the first single adapter (name order) that did, else the base model's failure;
+    per (task, sample). The most an argmax router over these adapters can solve on this split, chosen
+    with its outcomes, so a bound and not a method. None unless the base model and a single adapter ran."""
+    routes = _route_runs(runs)
+    if not routes or routes[0][0] != NONE_ROUTE or len(routes) < 2:
+        return None
+    episodes = [{(t.task_id, t.sample): t for t in run.trajectories or []} for _, run in routes]
+    picked = []
+    for key, base_episode in episodes[0].items():
+        found = [e[key] for e in episodes if key in e and e[key].success]
+        picked.append(found[0] if found else base_episode)
+    return MethodRun("hindsight_route", "hindsight_route", "best route per task, in hindsight (bound)",
+                     sorted(picked, key=lambda t: t.id), budget=budget, budget_source="TRACE adapters",
+                     note=f"the base model or one of {len(routes) - 1} single adapters, chosen with this split's "
+                          "outcomes: what a perfect argmax router could solve")
 
 
 def ordered_rows(runs: Sequence[MethodRun], order: Sequence[str] = TABLE1_ORDER) -> list[MethodRun]:
@@ -227,7 +282,8 @@ def paired_table(runs: Sequence[MethodRun]) -> pd.DataFrame:
 
 
 ROUTER_METRICS = ("tasks", "scored", "router_accuracy", "random_accuracy", "random_expected", "majority_accuracy",
-                  "none_share", "solved_tasks", "solved_on_none", "mean_label_mass")
+                  "none_share", "solved_tasks", "solved_on_none", "mean_label_mass", "solvable_tasks",
+                  "router_solvable_hits", "oracle_solvable_hits")
 
 
 def router_quality_table(quality: dict[str, Any], routers: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:

@@ -22,6 +22,8 @@ Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis
     linear_merge   the per-capability adapters averaged (α = 1/n each), one fixed merge for every task
     single         each capability adapter alone on every task; the best one gets its own row
     oracle_route   each task routed by its known capability tags (built-in families only)
+    hindsight_route  not a method: each task's episode from a route that solved it (base first, then the
+                   single adapters), the most a perfect argmax router could solve; needs `single`
     trace          the base model routes each task: `argmax` (one adapter or none) and/or `top_p`
                    (α-weighted merge, `compose.apply_route`)
     distilled      one student adapter distilled on-policy from the capability adapters (`train.distill`,
@@ -71,11 +73,13 @@ from trace_lib.evaluation.tables import (
     capability_table,
     eval_results,
     groups_of,
+    hindsight_route,
     interference_frame,
     interference_table,
     markdown,
     ordered_rows,
     paired_table,
+    route_solvers,
     router_quality_table,
     routing_table,
     summarize_runs,
@@ -218,11 +222,14 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         for method, key, label, reason, routing_for, budget_n, source, prompts in specs:
             trajs = run(routing_for, prompts) if reason is None else None
             runs.append(MethodRun(method, key, label, trajs, reason or "", budget_n, source))
+        bound = hindsight_route(runs, budget["total"])  # what a perfect argmax router could solve
+        runs += [bound] if bound is not None else []
+        solvers = route_solvers(runs) if bound is not None else None
         if "trace" in wanted and not no_caps:
             base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
             for r in scored:
                 routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved),
-                              "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved)}
+                              "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved, solvers)}
             quality = routers[cfg.router]["test"]
         if cfg.interference_seeds and boxes:
             interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
@@ -336,7 +343,10 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
                       + f"TRACE routes with `evaluate.router: {cfg.router}`; every router is scored on both splits "
                       "(train: the rollout stage's tasks, a kNN task never votes for itself). Accuracy is agreement "
                       "with the oracle (task tags) on tagged tasks; `majority` is the best constant router; "
-                      "`solved_on_none` the share of base-solved tasks left on the base model.\n\n"
+                      "`solved_on_none` the share of base-solved tasks left on the base model; on the test split, "
+                      "`router_solvable_hits` (`oracle_solvable_hits`) the share of the tasks that the base model "
+                      "or some single adapter solved (`solvable_tasks`) which the router (the oracle) sent to a "
+                      "route that solved it.\n\n"
                       + markdown(router_quality_table(quality, (extra or {}).get("routers")))
                       + (f"\n{quality['note']}\n" if quality.get("note") else ""))
     adapters = extra.get("adapters", []) if extra else []
@@ -356,7 +366,7 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
                             "rollouts": r.budget, "budget_source": r.budget_source,
                             **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base"),
                                  "trace_vs": r.summary.get("trace_vs")} if r.ran else {})}
-                    for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route"))},
+                    for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route", "hindsight_route"))},
         "routing": quality, "interference": interference, **(extra or {}),
     }
     write_json(paths.metrics("evaluate"), metrics)
