@@ -37,7 +37,7 @@ from trace_lib.evaluation.tables import (
     table1,
     table1_long,
 )
-from trace_lib.io import write_json, write_jsonl
+from trace_lib.io import read_jsonl, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.records import (
     AdapterManifest,
@@ -50,7 +50,7 @@ from trace_lib.records import (
 )
 from trace_lib.routing.compose import merge_label
 from trace_lib.routing.route import RouteCandidate
-from trace_lib.routing.routers import calibrate, label_prior
+from trace_lib.routing.routers import calibrate, label_prior, lacking_labels
 from trace_lib.training.budget import RolloutLedger
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
@@ -539,9 +539,22 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     out = tmp_path / "data" / "evaluate"
     base = [json.loads(x) for x in (out / "trajectories" / "base.jsonl").read_text().splitlines()]
     assert len(base) == 2 and {b["adapter"] for b in base} == {None}
+    # the labels oracle: the rules analyst's labels of the base model's two episodes, each task to the capability
+    # labelled lacking (none where none is)
+    labels = read_jsonl(out / "oracle_labels.jsonl", Label)
+    assert sorted((lb.trajectory_id, lb.capability_id) for lb in labels) == sorted(
+        (b["id"], c) for b in base for c in ("precondition_verification", "structured_data_reasoning"))
+    lacking = lacking_labels(labels, {b["id"]: b["task_id"] for b in base},
+                             ["precondition_verification", "structured_data_reasoning"])
     oracle = [json.loads(x) for x in (out / "trajectories" / "oracle_route.jsonl").read_text().splitlines()]
-    assert {o["task_id"].split("-")[0]: o["adapter"] for o in oracle} == {
-        "order_total": "structured_data_reasoning", "refuse_cancel": "precondition_verification"}
+    assert {o["task_id"]: o["adapter"] for o in oracle} == lacking
+    assert methods["oracle_route"]["label"] == "oracle routing (lacking capability)"
+    assert metrics["routing"]["oracle"] == "labels" and routers["knn"]["train"]["oracle"] == "labels"
+    assert sum(sum(row.values()) for row in metrics["routing"]["confusion"].values()) == 2
+    # on train the oracle is the score stage's labels: order_total lacked structured_data_reasoning, refuse_cancel
+    # nothing with an adapter; each task's one neighbour (leave-one-out) votes the other's label
+    train_confusion = routers["knn"]["train"]["confusion"]
+    assert train_confusion["structured_data_reasoning"]["none"] == 1 == train_confusion["none"]["structured_data_reasoning"]
     assert len((out / "routes" / "trace_top_p.jsonl").read_text().splitlines()) == 2
     knn = {d["task_id"].split("-")[0]: d for d in map(json.loads, (out / "routes" / "trace_argmax.jsonl").open())}
     assert {f: (d["router"], d["weights"]) for f, d in knn.items()} == {  # each test task's one neighbour
@@ -594,7 +607,8 @@ def test_run_evaluate_on_a_server_without_a_local_model(tmp_path, tiny_model_dir
     with FakeOpenAI(serving) as api:
         params = evaluate_tree(tmp_path, tiny_model_dir, lora_dirs, policy={
             "backend": "openai", "base_url": api.url, "served_model": tiny_model_dir.name,
-            "route_dir": str(tmp_path / "routes")})
+            "route_dir": str(tmp_path / "routes")}, evaluate={"interference_seeds": 0, "n_boot": 100, "router": "knn",
+                                                               "knn_k": 1, "oracle": "tags"})
         params = params.model_copy(update={"model": params.model.model_copy(update={"out_dir": "no/such/model"})})
         metrics = run_evaluate(params, tmp_path, progress=False)
     assert metrics["numerics"]["device"] == "server" and metrics["policy_id"] == tiny_model_dir.name
@@ -614,3 +628,9 @@ def test_run_evaluate_on_a_server_without_a_local_model(tmp_path, tiny_model_dir
     merged = [json.loads(x) for x in (tmp_path / "data/evaluate/trajectories/linear_merge.jsonl").open()]
     assert {t["adapter"] for t in merged} == {merge_label({c: 0.5 for c in caps})}
     assert (tmp_path / "reports" / "tables" / "table1.md").is_file() and not Path("no/such/model").exists()
+    # the tags oracle: each task's most specific tag with an adapter; no labels written
+    oracle = [json.loads(x) for x in (tmp_path / "data/evaluate/trajectories/oracle_route.jsonl").open()]
+    assert {o["task_id"].split("-")[0]: o["adapter"] for o in oracle} == {
+        "order_total": "structured_data_reasoning", "refuse_cancel": "precondition_verification"}
+    assert metrics["methods"]["oracle_route"]["label"] == "oracle routing (task tags)"
+    assert metrics["routing"]["oracle"] == "tags" and not (tmp_path / "data/evaluate/oracle_labels.jsonl").exists()

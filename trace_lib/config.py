@@ -468,6 +468,13 @@ class EvaluateConfig(Section):
     test splits; this one drives the TRACE rows."""
     knn_k: int = Field(3, ge=1)
     """`knn` router: neighbours that vote (train tasks; a train task never votes for itself)."""
+    oracle: Literal["labels", "tags"] = "labels"
+    """What the oracle router (the `oracle_route` row, and the routers' accuracy) sends a task to:
+    `labels`, the capability the analyst labels LACKING in the base model's episode of that task (the
+    score stage's labels on the train split; ties to the capability the score stage ranked first), none
+    when no capability with an adapter is lacking, so a task goes where the base model failed; `tags`,
+    the task's capability tags that have an adapter, the most specific first
+    (`trace_lib.capabilities.ORACLE_PRIORITY`; built-in families only)."""
     retrieval_k: int | None = Field(None, ge=1)
     """Candidates offered per task: the capabilities of the k most similar openings of synthetic training
     tasks (MiniLM embeddings); None: every capability. With retrieval on, a capability without a

@@ -229,6 +229,16 @@ class Paths:
         return self.evaluate / "results.jsonl"
 
     @property
+    def oracle_labels(self) -> Path:
+        """`data/evaluate/oracle_labels.jsonl`: the analyst's labels of the base model's evaluation episodes
+        (`evaluate.oracle: labels`)."""
+        return self.evaluate / "oracle_labels.jsonl"
+
+    @property
+    def oracle_llm(self) -> Path:
+        return self.evaluate / "oracle_llm.jsonl"
+
+    @property
     def gepa_prompt(self) -> Path:
         return self.evaluate / "gepa_prompt.md"
 

@@ -227,28 +227,36 @@ def with_top_p(decisions: Sequence[RouteDecision], p: float) -> list[RouteDecisi
             for d in decisions]
 
 
-def oracle_decisions(tasks: Sequence[Task], adapters: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Task id -> weights of the oracle router (the task's capability tags; {} = base)."""
+def oracle_decisions(tasks: Sequence[Task], adapters: Sequence[str],
+                     routes: Mapping[str, str | None] | None = None) -> dict[str, dict[str, float]]:
+    """Task id -> weights of the oracle router ({} = base): `routes` (task id -> adapter or None, e.g. the
+    capability labelled lacking: `routers.lacking_labels`) where given, else the task's capability tags."""
     out = {}
     for t in tasks:
-        best = oracle_route(t, adapters)
+        best = routes.get(t.id) if routes is not None else oracle_route(t, adapters)
         out[t.id] = {} if best is None else {best: 1.0}
     return out
 
 
 def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], adapters: Sequence[str],
                     seed: int = 0, solved: Collection[str] | None = None,
-                    solvers: Mapping[str, Collection[str]] | None = None) -> dict[str, Any]:
-    """Router vs oracle on tasks with capability tags: confusion counts (oracle row, router column;
-    'none' = base model), accuracy of the router, of a seeded uniform random router over the same
-    candidates (plus that random router's expected accuracy) and of the best constant router (always
-    the oracle's most common label). Untagged tasks (τ²) are not scored. `solved`: ids of tasks the
-    base model solves; `solved_on_none` is the share of them the router leaves on the base model.
+                    solvers: Mapping[str, Collection[str]] | None = None,
+                    oracle: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+    """Router vs oracle: confusion counts (oracle row, router column; 'none' = base model), accuracy of
+    the router, of a seeded uniform random router over the same candidates (plus that random router's
+    expected accuracy) and of the best constant router (always the oracle's most common label). The
+    oracle is `oracle` (task id -> adapter or None: the capability labelled lacking; tasks it does not
+    list are not scored) where given, else the tasks' capability tags (untagged tasks, τ²'s, not scored).
+    `solved`: ids of tasks the base model solves; `solved_on_none` is the share of them the router
+    leaves on the base model.
 
     `solvers` (task id -> the routes that solved it, 'none' for the base model: `tables.route_solvers`):
     `solvable_tasks` counts the routed tasks some route solved, `router_solvable_hits` the share of them
-    the router sent to a route that solved it, `oracle_solvable_hits` the same for the oracle (tagged
-    tasks only: the oracle routes no other)."""
+    the router sent to a route that solved it, `oracle_solvable_hits` the same for the oracle (on the
+    tasks it routes)."""
+    wanted = ({t.id: oracle[t.id] if oracle[t.id] in adapters else NONE for t in tasks if t.id in oracle}
+              if oracle is not None else
+              {t.id: oracle_route(t, adapters) or NONE for t in tasks if t.capability_tags})
     by_id = {d.task_id: d for d in decisions}
     labels = [*sorted(adapters), NONE]
     confusion = {o: {r: 0 for r in labels} for o in labels}
@@ -257,20 +265,19 @@ def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], a
     scored = 0
     for task in tasks:
         d = by_id.get(task.id)
-        if d is None or not task.capability_tags:
+        if d is None or task.id not in wanted:
             continue
-        oracle = oracle_route(task, adapters) or NONE
+        want = wanted[task.id]
         routed = route_argmax(d.probs, d.candidates) or NONE
         rand = random_route(task.id, d.candidates, seed) or NONE
-        confusion[oracle][routed] += 1
+        confusion[want][routed] += 1
         scored += 1
-        hits += routed == oracle
-        rand_hits += rand == oracle
-        expected += (oracle in d.candidates or oracle == NONE) / (len(d.candidates) + 1)
+        hits += routed == want
+        rand_hits += rand == want
+        expected += (want in d.candidates or want == NONE) / (len(d.candidates) + 1)
     routed_none = {d.task_id for d in decisions if route_argmax(d.probs, d.candidates) is None}
     solvable = [d for d in decisions if solvers and solvers.get(d.task_id)]
-    tags = {t.id: t for t in tasks if t.capability_tags}
-    oracle_solvable = [d for d in solvable if d.task_id in tags]
+    oracle_solvable = [d for d in solvable if d.task_id in wanted]
     masses = [d.label_mass for d in decisions if d.label_mass is not None]
     majority = max((sum(row.values()) for row in confusion.values()), default=0)
     solved_ids = sorted(set(solved or ()) & set(by_id))
@@ -288,9 +295,12 @@ def routing_quality(decisions: Sequence[RouteDecision], tasks: Sequence[Task], a
         "solvable_tasks": len(solvable) if solvers is not None else None,
         "router_solvable_hits": (sum((route_argmax(d.probs, d.candidates) or NONE) in solvers[d.task_id]
                                      for d in solvable) / len(solvable)) if solvable else None,
-        "oracle_solvable_hits": (sum((oracle_route(tags[d.task_id], adapters) or NONE) in solvers[d.task_id]
-                                     for d in oracle_solvable) / len(oracle_solvable)) if oracle_solvable else None,
-        "note": "" if scored else "no task carries capability tags (τ² tasks): router accuracy is undefined",
+        "oracle_solvable_hits": (sum(wanted[d.task_id] in solvers[d.task_id] for d in oracle_solvable)
+                                 / len(oracle_solvable)) if oracle_solvable else None,
+        "oracle": "tags" if oracle is None else "labels",
+        "note": "" if scored else ("no task carries capability tags (τ² tasks): router accuracy is undefined"
+                                   if oracle is None else "the oracle routes none of these tasks: router accuracy "
+                                                          "is undefined"),
     }
 
 

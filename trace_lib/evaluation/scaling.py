@@ -161,7 +161,7 @@ ABLATIONS: tuple[tuple[str, str, str, str], ...] = (
     # (row key, ablation, variant, where it comes from: 'this:<method key>' or 'run:<ablation_runs key>')
     ("trace_argmax", "full method", "TRACE, argmax routing", "this:trace_argmax"),
     ("trace_top_p", "routing", "top-p routing", "this:trace_top_p"),
-    ("oracle_route", "routing", "oracle routing (task tags)", "this:oracle_route"),
+    ("oracle_route", "routing", "oracle routing", "this:oracle_route"),  # the evaluate stage's label, when it ran
     ("linear_merge", "no routing", "linear merge of the adapters", "this:linear_merge"),
     ("distilled", "no routing", "one adapter distilled from the capability adapters", "this:distilled"),
     ("base", "no training", "base model", "this:base"),
@@ -212,6 +212,8 @@ def ablation_rows(root: Path, cfg: ScalingConfig, evaluate_metrics: dict[str, An
         else:
             reason = f"needs {HOW_TO[name]}"
         row = point_row(key, 0, None, trajs, reason, n_boot, seed=seed)
+        if key == "oracle_route":  # which oracle: the lacking capability or the task tags (evaluate.oracle)
+            variant = methods.get(name, {}).get("label", variant)
         row.update({"ablation": ablation, "variant": variant, "source": where if trajs is not None else ""})
         rows.append(row)
     return rows

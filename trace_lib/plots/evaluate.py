@@ -72,7 +72,7 @@ def interference_heatmap(matrix: pd.DataFrame, title: str = "") -> plt.Figure:
 
 
 def routing_confusion(quality: dict[str, Any], title: str = "") -> plt.Figure:
-    """Counts of (oracle label, router label) over tasks with capability tags."""
+    """Counts of (oracle label, router label) over the tasks the oracle routes (`routing_quality`)."""
     if not quality.get("scored"):
         return placeholder(quality.get("note") or "routing not run: no capability adapters or no tagged tasks")
     labels = quality["labels"]
@@ -82,7 +82,7 @@ def routing_confusion(quality: dict[str, Any], title: str = "") -> plt.Figure:
     acc = quality.get("router_accuracy")
     rnd = quality.get("random_accuracy")
     ax.set_xlabel(f"router ({quality.get('router') or 'logits'}, argmax)")
-    ax.set_ylabel("oracle (task tags)")
+    ax.set_ylabel("oracle (task tags)" if quality.get("oracle") == "tags" else "oracle (lacking capability)")
     ax.tick_params(axis="x", rotation=25, labelsize=8)
     ax.tick_params(axis="y", rotation=0, labelsize=8)
     ax.set_title(title or (f"accuracy {acc:.2f} (random {rnd:.2f})" if acc is not None else ""))

@@ -9,6 +9,8 @@ scored from its log-probabilities, merges served as concatenated adapters) and w
     data/evaluate/routes/<method>.jsonl         the router's decision per task (RouteDecision)
     data/evaluate/results.jsonl                 one EvalResult per method that ran
     data/evaluate/gepa_*                        the GEPA row's prompt and ledgers (`trace_lib.evaluation.gepa`)
+    data/evaluate/oracle_labels.jsonl           the analyst's labels of the base model's episodes (the labels
+                                                oracle; `oracle_llm.jsonl`: an LLM analyst's ledger)
     reports/tables/{table1,routing,interference,capabilities}.md, table1.csv
     reports/metrics/evaluate.json               rates, CIs, paired tests vs base, budgets, routing quality
     reports/figures/evaluate_*.png              success per method, interference heatmap, routing confusion
@@ -21,7 +23,9 @@ Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis
     gepa           GEPA-optimized system prompt (`trace_lib.evaluation.gepa`) |
     linear_merge   the per-capability adapters averaged (α = 1/n each), one fixed merge for every task
     single         each capability adapter alone on every task; the best one gets its own row
-    oracle_route   each task routed by its known capability tags (built-in families only)
+    oracle_route   each task routed to the capability the analyst labels lacking in the base model's
+                   episode of it, none where none is (`evaluate.oracle: labels`; the labels in
+                   data/evaluate/oracle_labels.jsonl), or by its capability tags (`tags`; built-in families)
     hindsight_route  not a method: each task's episode from a route that solved it (base first, then the
                    single adapters), the most a perfect argmax router could solve; needs `single`
     trace          the base model routes each task: `argmax` (one adapter or none) and/or `top_p`
@@ -44,8 +48,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, get_args
 
-from trace_lib.agent.model import numerics
 from trace_lib.agent.backends import open_policy
+from trace_lib.agent.model import numerics
+from trace_lib.analyst.llm import analyst_client
+from trace_lib.analyst.score import label_trajectories
 from trace_lib.config import EnvConfig, EvaluateConfig, Params
 from trace_lib.envs import graded_reward, load_tasks, make_env, task_split
 from trace_lib.envs.base import Environment
@@ -114,6 +120,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     cfg: EvaluateConfig = params.evaluate
     t0 = time.perf_counter()
     paths = Paths(root)
+    paths.oracle_labels.unlink(missing_ok=True)  # a previous run's, which this one may not replace
     caps, baselines = inputs.find_adapters(root)
     names = sorted(caps)
     policy = open_policy(params, Path(params.model.out_dir), {**caps, **baselines}, threads=params.rollout.threads)
@@ -174,9 +181,24 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         for name in names:
             add("single", f"single_{name}", f"single: {name}", None, lambda e, ts, a=name: a,
                 budget["by_adapter"][name], "its own training")
-    add("oracle_route", "oracle_route", "oracle routing (task tags)",
-        no_caps or (None if any(t.capability_tags for t in tasks) else "the tasks carry no capability tags"),
-        lambda e, ts: oracle_decisions(ts, names), **trace)
+    oracle_routes: dict[str, str | None] | None = None  # the labels oracle: task id -> adapter or None
+
+    def labelled_oracle() -> dict[str, str | None]:  # once the base model's episodes are there
+        nonlocal oracle_routes
+        if oracle_routes is None:
+            base_run = next(r for r in runs if r.key == "base" and r.ran)
+            oracle_routes = _lacking_on_base(params, root, names, base_run.trajectories or [], targets)
+        return oracle_routes
+
+    if cfg.oracle == "tags":
+        add("oracle_route", "oracle_route", "oracle routing (task tags)",
+            no_caps or (None if any(t.capability_tags for t in tasks) else "the tasks carry no capability tags"),
+            lambda e, ts: oracle_decisions(ts, names), **trace)
+    else:
+        add("oracle_route", "oracle_route", "oracle routing (lacking capability)",
+            no_caps or (None if "base" in wanted else "evaluate.oracle 'labels' reads the base model's episodes: "
+                                                      "add base to evaluate.methods"),
+            lambda e, ts: oracle_decisions(ts, names, labelled_oracle()), **trace)
     if inputs.DISTILLED in baselines:  # TRACE's budget and the student's own episodes
         n, src = inputs.adapter_budget(root, inputs.DISTILLED, baseline=True)
         add("distilled", "distilled", "TRACE distilled (one adapter)", routing_for=lambda e, ts: inputs.DISTILLED,
@@ -193,7 +215,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         if "trace" in wanted and not no_caps:
             candidates, index = _router_inputs(root, params, names, boxes, cfg)
             rc = cfg.model_copy(update={"batch_size": rcfg.batch_size})
-            train_tasks, train_solved, knn = _train_side(root, params, names)
+            train_tasks, train_solved, knn, train_lacking = _train_side(root, params, names)
             scored = [r for r in ROUTERS if r != "knn" or knn is not None]
             if knn is None:
                 routers["knn"] = {"note": "no score-stage labels of the train rollouts"}
@@ -214,8 +236,9 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
                 lambda e, ts, k=key: decisions[k], **trace)
         decoded_together = 0
         if memo is not None and cfg.decode_together:  # every method's greedy episodes in one batch
-            plans = [routing_for for _, _, _, reason, routing_for, _, _, prompts in specs
-                     if reason is None and prompts is None]
+            plans = [routing_for for method, _, _, reason, routing_for, _, _, prompts in specs  # the labels
+                     if reason is None and prompts is None  # oracle needs the base model's episodes first
+                     and not (method == "oracle_route" and cfg.oracle == "labels")]
             for ecfg, ts in targets:
                 decoded_together += decode_into_memo(policy, ts, lambda e=ecfg: make_env(e), rcfg, cfg.seed,
                                                      [f(ecfg, ts) for f in plans], memo, ecfg.name, progress)
@@ -227,9 +250,14 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         solvers = route_solvers(runs) if bound is not None else None
         if "trace" in wanted and not no_caps:
             base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
+            labelled = cfg.oracle == "labels"
+            test_oracle = labelled_oracle() if labelled and runs[0].ran else {} if labelled else None
+            train_oracle = (train_lacking or {}) if labelled else None
             for r in scored:
-                routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved),
-                              "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved, solvers)}
+                routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved,
+                                                       oracle=train_oracle),
+                              "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved, solvers,
+                                                      oracle=test_oracle)}
             quality = routers[cfg.router]["test"]
         if cfg.interference_seeds and boxes:
             interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
@@ -270,25 +298,50 @@ def _router_inputs(root: Path, params: Params, names: list[str], boxes: Mapping[
     return candidates, index
 
 
-def _train_side(root: Path, params: Params, names: list[str]) -> tuple[list[Task], set[str], KnnRouter | None]:
+def _capability_order(root: Path, names: list[str]) -> list[str]:
+    """The adapters' capabilities in the score stage's ranking (kept.jsonl; others after): who wins a tie."""
+    paths = Paths(root)
+    ranked = [c.id for c in read_jsonl(paths.kept, Capability)] if paths.kept.is_file() else []
+    return sorted(names, key=lambda c: ranked.index(c) if c in ranked else len(ranked))
+
+
+def _train_side(root: Path, params: Params, names: list[str]
+                ) -> tuple[list[Task], set[str], KnnRouter | None, dict[str, str | None] | None]:
     """The target's train tasks the rollout stage ran, the ids of those the base agent solved in some
-    rollout, and the kNN router over them (None without score-stage labels)."""
+    rollout, the kNN router over them and each task's capability labelled lacking (`lacking_labels`: the
+    labels oracle on train); the last two None without score-stage labels."""
     paths = Paths(root)
     split = task_split(params.env.name, params.rollout.split)
     if not paths.rollouts(params.rollout.split).is_file():
-        return [], set(), None
+        return [], set(), None, None
     trajs = read_jsonl(paths.rollouts(params.rollout.split), Trajectory)
     ran = {t.task_id for t in trajs}
     tasks = [t for t in load_tasks(params.env, split, root) if t.id in ran]
     solved = {t.task_id for t in trajs if t.success}
     if not paths.labels.is_file() or not tasks:
-        return tasks, solved, None
-    ranked = [c.id for c in read_jsonl(paths.kept, Capability)] if paths.kept.is_file() else []
-    # ties go to the capability the score stage ranked first
-    order = sorted(names, key=lambda c: ranked.index(c) if c in ranked else len(ranked))
-    labels = lacking_labels(read_jsonl(paths.labels, Label), {t.id: t.task_id for t in trajs}, order)
+        return tasks, solved, None, None
+    labels = lacking_labels(read_jsonl(paths.labels, Label), {t.id: t.task_id for t in trajs},
+                            _capability_order(root, names))
     openings = task_openings(tasks, lambda: make_env(params.env))
-    return tasks, solved, KnnRouter([t.id for t in tasks], openings, [labels[t.id] for t in tasks])
+    return tasks, solved, KnnRouter([t.id for t in tasks], openings, [labels[t.id] for t in tasks]), labels
+
+
+def _lacking_on_base(params: Params, root: Path, names: list[str], base: Sequence[Trajectory],
+                     targets: Sequence[tuple[EnvConfig, Sequence[Task]]]) -> dict[str, str | None]:
+    """The labels oracle on the evaluation split: the analyst (`analyst`, `score.n_runs` for an LLM) labels
+    the base model's episodes for the capabilities with an adapter, and each task goes to the one labelled
+    LACKING (most often; ties to the score stage's ranking), none where none is. The labels are written to
+    data/evaluate/oracle_labels.jsonl."""
+    paths = Paths(root)
+    caps = inputs.kept_capabilities(root, names)
+    client = analyst_client(params.analyst, paths.oracle_llm, root, params.seed)
+    labels: list[Label] = []
+    for ecfg, ts in targets:
+        ids = {t.id for t in ts}
+        labels += label_trajectories([t for t in base if t.task_id in ids], caps, ts, make_env(ecfg).tool_kinds(),
+                                     params.score, client, params.seed)
+    write_jsonl(paths.oracle_labels, labels)
+    return lacking_labels(labels, {t.id: t.task_id for t in base}, _capability_order(root, names))
 
 
 def _interference_envs(boxes: Mapping[str, Any], params: Params, cfg: EvaluateConfig) -> dict:
@@ -342,7 +395,10 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
                       + "\n## Router vs oracle and random routing\n\n"
                       + f"TRACE routes with `evaluate.router: {cfg.router}`; every router is scored on both splits "
                       "(train: the rollout stage's tasks, a kNN task never votes for itself). Accuracy is agreement "
-                      "with the oracle (task tags) on tagged tasks; `majority` is the best constant router; "
+                      + ("with the oracle (task tags) on tagged tasks" if cfg.oracle == "tags" else
+                         "with the oracle (the capability the analyst labels lacking in the base model's episodes: "
+                         "the score stage's labels on train, the evaluation's own on test; none where none is)")
+                      + "; `majority` is the best constant router; "
                       "`solved_on_none` the share of base-solved tasks left on the base model; on the test split, "
                       "`router_solvable_hits` (`oracle_solvable_hits`) the share of the tasks that the base model "
                       "or some single adapter solved (`solvable_tasks`) which the router (the oracle) sent to a "
