@@ -594,13 +594,14 @@ PROFILES: dict[str, dict[str, Any]] = {
                   "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}},
         # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
         # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
-        # router chosen on the train split (agreement with the task tags, 2026-11-25 run): calibrated 0.50,
-        # knn 0.21, logits 0.00 (raw label logits sent every task to "none")
+        # router chosen on the train split, against the oracle of the capability labelled lacking (2026-11-29
+        # run at d2c4fb2): knn 7/14, calibrated 5/14, logits 3/14 (raw label logits send every task to "none");
+        # against the task tags (2026-11-25) calibrated had led, 0.50 to knn's 0.21
         # every method's episodes in one batch, rows under different weights: 460 s against 551 s method by
         # method on this split (2026-11-28, benchmarks/README.md: evaluate_routes.py)
         "evaluate": {"methods": ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
                                  "trace", "distilled"], "route_mode": "argmax", "interference_seeds": 2,
-                     "router": "calibrated", "decode_together": True},
+                     "router": "knn", "decode_together": True},
         # budget points: TRACE at 0, 36, 44, 52 and 60 rollouts (the base model; communicate_result's
         # iteration-1 snapshot; both at iteration 1; communicate_result final; the final adapters), GRPO on
         # target at 0, 16, 32, 40, 48 and 56. A point decodes the tasks whose adapter is at a snapshot no
