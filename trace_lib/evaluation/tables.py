@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from trace_lib.records import EvalResult, Task, Trajectory
-from trace_lib.stats import compare, group_rows, rate_row
+from trace_lib.stats import compare, group_rows, rate_row, task_outcomes
 
 TABLE1_ORDER = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single_best", "single", "trace_argmax",
                 "trace_top_p", "distilled")
@@ -113,20 +113,13 @@ def route_solvers(runs: Sequence[MethodRun]) -> dict[str, list[str]]:
     base and single-adapter episodes, so an argmax router's choice can be scored by what it solves."""
     rates: dict[str, dict[str, float]] = {}
     for route, run in _route_runs(runs):
-        for task, outcomes in _by_task(run.trajectories or []).items():
-            rates.setdefault(task, {})[route] = sum(outcomes) / len(outcomes)
+        for task, rate in task_outcomes(run.trajectories or []).items():
+            rates.setdefault(task, {})[route] = rate
     out = {}
     for task, by_route in sorted(rates.items()):
         best = max(by_route.values())
         if best > 0:
             out[task] = [route for route, rate in by_route.items() if rate == best]
-    return out
-
-
-def _by_task(trajs: Sequence[Trajectory]) -> dict[str, list[bool]]:
-    out: dict[str, list[bool]] = {}
-    for t in trajs:
-        out.setdefault(t.task_id, []).append(t.success)
     return out
 
 
