@@ -5,7 +5,8 @@ call it. A method is the base model under some `Routing` (see `route_groups`): n
 every task, one fixed merge, or per-task router decisions (`compose.apply_route` puts each weight state
 in place and restores the base weights after). `evaluate_policy` runs it, sharing greedy episodes
 between methods that send a task to the same weights; `route_all` / `with_top_p` make the router's
-decisions, `routing_quality` scores them against the oracle (capability tags) and a random router, and
+decisions, `routing_quality` scores them against the oracle (the capability labelled lacking, or the task
+tags), a random router and what the base model and single adapters solved, and
 `interference_matrix` runs every adapter on every capability's synthetic environment.
 
 Evaluation decodes greedily by default (the paper: one trial, temperature 0), so two methods differ
