@@ -129,7 +129,7 @@ def hindsight_route(runs: Sequence[MethodRun], budget: int | None = None) -> Met
     per (task, sample). The most an argmax router over these adapters can solve on this split, chosen
     with its outcomes, so a bound and not a method. None unless the base model and a single adapter ran."""
     routes = _route_runs(runs)
-    if not routes or routes[0][0] != NONE_ROUTE or len(routes) < 2:
+    if len(routes) < 2 or routes[0][0] != NONE_ROUTE:
         return None
     episodes = [{(t.task_id, t.sample): t for t in run.trajectories or []} for _, run in routes]
     picked = []

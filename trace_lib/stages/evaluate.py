@@ -250,9 +250,10 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         solvers = route_solvers(runs) if bound is not None else None
         if "trace" in wanted and not no_caps:
             base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
-            labelled = cfg.oracle == "labels"
-            test_oracle = labelled_oracle() if labelled and runs[0].ran else {} if labelled else None
-            train_oracle = (train_lacking or {}) if labelled else None
+            test_oracle, train_oracle = None, None  # None: the task tags
+            if cfg.oracle == "labels":  # without the base model's episodes the oracle routes no test task
+                test_oracle = labelled_oracle() if runs[0].ran else {}
+                train_oracle = train_lacking or {}
             for r in scored:
                 routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved,
                                                        oracle=train_oracle),
