@@ -22,6 +22,8 @@ weights' dtype:
     ours-noprefix  `ours` with the start all of an iteration's rows share (system turn, tool list) computed in
                each of its loss passes instead of once for all of them (`shared_prompt.SharedPrefix`); the same
                with one pass per iteration
+    ours-unfolded  `ours` sampled through PEFT's LoRA layers instead of with the adapter folded into the base
+               weights (`grpo.AgentRollout.fold_lora`, the default since 2026-12-01)
     ours-shuffled  `ours-noprefix` with TRL's shuffle of the iteration's rows before they are split into loss
                passes (the trainer before 2026-11-29): with several passes per iteration (e.g. G8 x K4 in fp32,
                4 passes of 8) a pass holds rows of several groups instead of whole groups
@@ -71,7 +73,7 @@ from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
 from trace_lib.training.budget import RolloutLedger
-from trace_lib.training.grpo import TrainSource
+from trace_lib.training.grpo import AgentRollout, TrainSource
 from trace_lib.training.shared_prompt import SharedPrefix
 from trace_lib.training.trainer import (
     default_timing_path,
@@ -93,7 +95,9 @@ ROWS = {
     "ours-nostem": {"shared_prompt": True, "dtype": "bfloat16"},
     "ours-noprefix": {"shared_prompt": True},
     "ours-shuffled": {"shared_prompt": True},
+    "ours-unfolded": {"shared_prompt": True},
 }
+UNFOLDED = {"ours-unfolded"}
 NO_STEMS = {"ours-nostem"}
 SHUFFLED = {"ours-shuffled"}
 NO_PREFIX = {"ours-noprefix", "ours-shuffled"}
@@ -283,6 +287,7 @@ def main() -> None:
                     min_prefix = trainer_mod.MIN_PREFIX_TOKENS
                     if row in NO_PREFIX:
                         trainer_mod.MIN_PREFIX_TOKENS = 10**9
+                    AgentRollout.fold_lora = row not in UNFOLDED
                     t0 = time.perf_counter()
                     try:
                         manifest = train_adapter_mixture(model_dir, [source], cfg, out, seed=params.seed,
@@ -292,6 +297,7 @@ def main() -> None:
                         restore()
                         trainer_mod.rows_in_order = rows_in_order
                         trainer_mod.MIN_PREFIX_TOKENS = min_prefix
+                        AgentRollout.fold_lora = True
                     wall = time.perf_counter() - t0
                     n = max(manifest.rollouts_used, 1)
                     floor = counter.positions * 2 * linear_gflop_per_token(model_dir) / args.peak_gflops / n

@@ -549,6 +549,43 @@ def test_the_trainable_policy_samples_with_its_adapter(tiny_model_dir):
     assert listed.tool_format == "signature"  # the train stage passes `model.tool_format`
 
 
+def test_episodes_are_sampled_with_the_adapter_folded_in_and_the_base_weights_come_back_bit_for_bit(
+        tiny_model_dir, monkeypatch):
+    import trace_lib.training.grpo as grpo_mod
+    from trace_lib.routing.compose import is_merged
+
+    policy, _ = load_trainable(tiny_model_dir, TrainConfig(lora_rank=4), "trl", seed=0)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a nonzero adapter (B starts at zero), so folding it in changes the weights
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "base_layer" in n}
+    prompt = policy.encode(policy.render([Message(role="user", content="What is the value of k3?")], []))
+    unfolded, _ = policy.generate_ids([prompt], temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0)
+    cfg = TrainConfig(**FAST)
+    ro = AgentRollout(policy, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks)], cfg, make_reward(cfg.reward),
+                      lambda n: None, seed=0)
+    with ro._folded():
+        assert is_merged(policy.model)
+        changed = [n for n, p in policy.model.named_parameters() if n in base and not torch.equal(p, base[n])]
+        assert changed  # W + BA is in the base weights ...
+        policy.clear_prefix_cache()
+        folded, _ = policy.generate_ids([prompt], temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0)
+    assert folded == unfolded  # ... and the adapter layers are off: the delta counts once (fp32: same tokens)
+    assert not is_merged(policy.model)
+    assert all(torch.equal(p, base[n]) for n, p in policy.model.named_parameters() if n in base)
+
+    seen = []
+    real_play = grpo_mod.play
+    monkeypatch.setattr(grpo_mod, "play", lambda *a, **kw: (seen.append(is_merged(policy.model)), real_play(*a, **kw))[1])
+    ro(["kv:0"] * cfg.group_size, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    ro.fold_lora = False  # what the trainer sets for Unsloth
+    ro(["kv:0"] * cfg.group_size, SimpleNamespace(state=SimpleNamespace(global_step=1)))
+    assert seen == [True, False]
+    assert all(torch.equal(p, base[n]) for n, p in policy.model.named_parameters() if n in base)
+
+
 def fake_unsloth(calls: list) -> SimpleNamespace:
     """Unsloth's `FastLanguageModel` API (what `load_trainable` calls), done with transformers and PEFT, so
     the unsloth path of the train stage runs on a CPU; records its calls."""

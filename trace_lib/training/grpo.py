@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
@@ -74,6 +75,7 @@ from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
 from trace_lib.io import dumps_json
 from trace_lib.records import Message, Task, ToolCall
+from trace_lib.routing.compose import merged_adapters
 from trace_lib.synth.rubric import item_means
 from trace_lib.training import distributed
 from trace_lib.training.hints import hint_from_steps, hinted_samples, with_hint
@@ -459,8 +461,11 @@ class AgentRollout:
         self.policy.clear_prefix_cache()  # the weights changed since the last iteration
         try:
             episodes = self._start(prompts, iteration)
-            timing = (play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
-                      if self.sampler is None else self.sampler.play(self.name, episodes, self.cfg, iteration))
+            if self.sampler is None:
+                with self._folded():
+                    timing = play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
+            else:
+                timing = self.sampler.play(self.name, episodes, self.cfg, iteration)
         finally:
             model.train(was_training)
         for ep in episodes:
@@ -521,6 +526,20 @@ class AgentRollout:
             episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
                                           hint=hint, preplay=preplay[key]))
         return episodes
+
+    fold_lora: bool = True
+    """Sample with the adapter being trained folded into the base weights (`routing.compose.merged_adapters`: W + BA,
+    the adapter layers off, the base weights restored bit for bit afterwards) instead of through PEFT's LoRA layers,
+    whose ~210 small extra products per decoding step cost ~30% of a step at 16 rows on 2 cores
+    (benchmarks/README.md: routed_lora_step, train_step). The trainer turns it off for Unsloth, whose fused LoRA
+    kernels do not read PEFT's layer switches. In bf16 the folded weights round W + BA once, so the sampled tokens
+    can differ from the unfolded path's in the last bits of a logit."""
+
+    def _folded(self) -> Any:
+        """The context the iteration's episodes are sampled in: the trained adapter folded in (`fold_lora`)."""
+        if not (self.fold_lora and self.policy.adapter and hasattr(self.policy.model, "peft_config")):
+            return nullcontext()
+        return merged_adapters(self.policy.model, {self.policy.adapter: 1.0})
 
     drop_equal_groups: bool = True
     """Whether a group whose rewards are all equal is dropped (GRPO: no learning signal in it)."""

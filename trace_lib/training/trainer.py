@@ -578,6 +578,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     run: dict[str, Any] = {"log": list(state["log"]), "timing": list(state["timing"])}
     rollout = (DistillRollout if teachers is not None else AgentRollout)(
         policy, sources, cfg, reward, lambda n: ledger.add(STAGE, n, key=name), seed)
+    if backend == "unsloth":  # its fused LoRA kernels do not read PEFT's adapter switches
+        rollout.fold_lora = False
     if sampler is not None:
         if size > 1:
             raise ValueError("trainings in lockstep run in one process (train.processes: 1)")
