@@ -1,5 +1,7 @@
 """Procedural retail families: well-formed, deterministic, split without leakage, solvable by gold."""
 
+from collections import Counter
+
 import pytest
 
 from trace_lib.capabilities import CAPABILITY_TAGS
@@ -61,6 +63,16 @@ def test_task_i_stable_when_more_tasks_requested(db):
     few = make_family_tasks(db, "return_item", "train", 2, seed=3)
     many = make_family_tasks(db, "return_item", "train", 6, seed=3)
     assert many[:2] == few
+
+
+def test_the_test_split_can_hold_more_tasks_per_family_and_keeps_the_smaller_ones(db):
+    small = EnvConfig(tasks_per_family=2)
+    large = EnvConfig(tasks_per_family=2, test_tasks_per_family=5)
+    assert build_tasks(large, "train") == build_tasks(small, "train")
+    test = build_tasks(large, "test")
+    assert Counter(t.family for t in test) == {f: 5 for f in family_names()}
+    assert [t for t in test if int(t.id[-3:]) < 2] == build_tasks(small, "test")
+    assert [t.split for t in build_tasks(large, "all")].count("test") == 5 * len(family_names())
 
 
 def test_splits_share_no_user_or_order(db):

@@ -82,6 +82,8 @@ def test_scenario_i_does_not_change_with_more_scenarios_per_family():
     large = make_tasks(CFG.model_copy(update={"tasks_per_family": 4}), "train")
     by_id = {t.id: t for t in large}
     assert all(by_id[t.id] == t for t in small)
+    split = CFG.model_copy(update={"tasks_per_family": 2, "test_tasks_per_family": 4})
+    assert make_tasks(split, "train") == small and len(make_tasks(split, "test")) == 4 * len(FAMILY_NAMES)
 
 
 def test_unknown_family_and_split_are_named():

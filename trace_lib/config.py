@@ -92,7 +92,11 @@ class EnvConfig(Section):
     families: list[str] = Field(default_factory=list)
     """Task families to generate (empty: all of the environment's families)."""
     tasks_per_family: int = Field(8, ge=1)
-    """Tasks generated per family and split (built-in environment)."""
+    """Tasks generated per family and split (built-in environments); `test_tasks_per_family` may set the test
+    split's apart."""
+    test_tasks_per_family: int | None = Field(None, ge=1)
+    """Tasks per family in the test split (None: `tasks_per_family`). A family's first tasks do not change with
+    the count, so a larger test split holds the smaller one."""
     test_fraction: float = Field(0.5, gt=0, lt=1)
     """Share of generated tasks held out for evaluation."""
     max_steps: int = Field(8, ge=1)
@@ -115,6 +119,10 @@ class EnvConfig(Section):
     after it); a call that takes longer is a tool error. Synthesized envs use `synthesize`'s limits."""
     tool_output_chars: int = Field(20_000, ge=100)
     """Longest tool result passed to the agent; a longer one is cut with a marker."""
+
+    def per_family(self, split: str) -> int:
+        """Tasks per family in `split` ('train' or 'test')."""
+        return self.test_tasks_per_family or self.tasks_per_family if split == "test" else self.tasks_per_family
 
 
 class RolloutConfig(Section):

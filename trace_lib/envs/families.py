@@ -288,4 +288,4 @@ def build_family_tasks(db, cfg: EnvConfig, split: str) -> list[Task]:
     chosen = [f.name for f in FAMILIES if not cfg.families or f.name in cfg.families]
     splits = SPLITS if split == "all" else (split,)
     return [t for s in splits for fam in chosen
-            for t in make_family_tasks(db, fam, s, cfg.tasks_per_family, cfg.seed, cfg.test_fraction)]
+            for t in make_family_tasks(db, fam, s, cfg.per_family(s), cfg.seed, cfg.test_fraction)]

@@ -514,7 +514,7 @@ def scenario_task(family: Family, seed: int, split: str, index: int) -> Task:
 
 
 def build_phone_tasks(cfg: EnvConfig, split: str) -> list[Task]:
-    """`cfg.tasks_per_family` scenarios per family ('train', 'test' or 'all'), families in FAMILIES order."""
+    """`cfg.per_family(split)` scenarios per family ('train', 'test' or 'all'), families in FAMILIES order."""
     if split not in (*SPLITS, "all"):
         raise ValueError(f"phone: unknown split {split!r}; choose one of {[*SPLITS, 'all']}")
     unknown = sorted(set(cfg.families) - set(FAMILY_NAMES))
@@ -522,7 +522,7 @@ def build_phone_tasks(cfg: EnvConfig, split: str) -> list[Task]:
         raise ValueError(f"env.families: unknown phone families {unknown}; choose from {list(FAMILY_NAMES)}")
     chosen = [f for f in FAMILIES if not cfg.families or f.name in cfg.families]
     splits = SPLITS if split == "all" else (split,)
-    return [scenario_task(f, cfg.seed, s, i) for s in splits for f in chosen for i in range(cfg.tasks_per_family)]
+    return [scenario_task(f, cfg.seed, s, i) for s in splits for f in chosen for i in range(cfg.per_family(s))]
 
 
 def places_kinds() -> list[str]:
