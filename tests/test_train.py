@@ -24,8 +24,8 @@ from trace_lib.training.budget import RolloutLedger
 from trace_lib.training.grpo import (
     TRUNCATION_MARK,
     AgentRollout,
-    Episode,
     TrainSource,
+    cut_before_skipped_turn,
     drop_masked_rows,
     leading_steps,
     loss_mask,
@@ -180,23 +180,57 @@ class VerboseEnv(KVEnv):
         return text + " padding" * 200, err
 
 
-def test_earlier_tool_results_are_truncated_the_latest_is_read_in_full(scripted):
-    cfg = TrainConfig(**{**FAST, "groups": 1, "tool_result_tokens": 16})
+def test_a_result_before_a_skipped_lookup_is_cut_and_every_trained_turn_reads_what_it_is_trained_on(scripted):
+    cfg = TrainConfig(**{**FAST, "groups": 2, "tool_result_tokens": 16})
     policy = ScriptedPolicy(scripted.model, scripted.tokenizer, "tiny")
     policy.seen = seen = []
     ro = AgentRollout(policy, [TrainSource("kv", lambda: VerboseEnv(max_steps=3), kv_tasks)], cfg,
                       make_reward(cfg.reward), lambda n: None, seed=0)
-    out = ro(["kv:1001"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    # k1: one lookup, then an answer; k3: lookups until the step limit (3 turns)
+    out = ro(["kv:1001"] * 2 + ["kv:1003"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
     tok = scripted.tokenizer
-    assert tok.decode(seen[1][0]).count("padding") == 200  # the agent answered reading the whole result
+    answered, looping = ro.last[0], ro.last[2]
     trained = tok.decode(out["completion_ids"][0])
-    assert TRUNCATION_MARK in trained and trained.count("padding") < 20  # the training sequence has it cut
-    ep: Episode = ro.last[0]
-    shown = next(m for m in ep.context if m.role == "tool").content
-    assert shown.endswith(TRUNCATION_MARK) and len(scripted.encode(shown[: -len(TRUNCATION_MARK)])) <= 16
-    assert ep.env.state.messages[3].content.count("padding") == 200  # the env's own record stays whole
-    assert tok.decode(seen[1][0]).startswith(tok.decode(out["prompt_ids"][0] + out["completion_ids"][0][:10]))
-    assert out["reward"] == [1.0, 0.0]
+    assert trained.count("padding") == 200 and TRUNCATION_MARK not in trained  # the answer's result stays whole
+    assert [t[2] for t in looping.turns] == [True, True, True]
+    looped = tok.decode(out["completion_ids"][2])
+    # the result before the second (skipped) lookup is cut; the one before the last turn, which the loss keeps
+    # when every turn is a lookup, stays whole
+    assert looped.count(TRUNCATION_MARK) == 1 and 200 < looped.count("padding") < 220
+    cut = [m.content for m in looping.context if m.role == "tool"]
+    assert cut[0].endswith(TRUNCATION_MARK) and len(scripted.encode(cut[0][: -len(TRUNCATION_MARK)])) <= 16
+    assert cut[1].count("padding") == 200
+    assert looping.env.state.messages[3].content.count("padding") == 200  # the env's own record stays whole
+    sampled = [list(p) for call in seen for p in call]
+    for row, ep in enumerate(ro.last):
+        for (start, _, _), m in zip(ep.turns, _turn_masks(out["env_mask"][row], ep.turns), strict=True):
+            if m:  # every turn the loss trains was sampled from exactly its training context
+                assert out["prompt_ids"][row] + out["completion_ids"][row][:start] in sampled
+    # the second lookup was sampled with the first result whole (the cut came after it)
+    assert tok.decode(looping.prompt_ids + looping.completion_ids[:looping.turns[2][0]]).count("padding") > 200
+    assert any(tok.decode(p).count("padding") == 200 and "k3" in tok.decode(p) for p in sampled)
+    assert out["reward"] == [1.0, 0.0, 0.0, 0.0]
+
+
+def _turn_masks(mask: list[int], turns: list[tuple[int, int, bool]]) -> list[bool]:
+    """Whether the loss trains each of an episode's turns (any mask-1 token in its span)."""
+    return [any(mask[start:end]) for start, end, _ in turns]
+
+
+def test_with_every_turn_trained_no_result_is_cut(scripted):
+    cfg = TrainConfig(**{**FAST, "groups": 1, "tool_result_tokens": 16, "filter_lookup_only": False})
+    policy = ScriptedPolicy(scripted.model, scripted.tokenizer, "tiny")
+    ro = AgentRollout(policy, [TrainSource("kv", lambda: VerboseEnv(max_steps=3), kv_tasks)], cfg,
+                      make_reward(cfg.reward), lambda n: None, seed=0)
+    out = ro(["kv:1003"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    assert TRUNCATION_MARK not in scripted.tokenizer.decode(out["completion_ids"][0])
+
+
+def test_cut_before_skipped_turn():
+    assert cut_before_skipped_turn(lookup_only=True, episode_done=False, filter_lookup_only=True)
+    assert not cut_before_skipped_turn(lookup_only=False, episode_done=False, filter_lookup_only=True)  # trained
+    assert not cut_before_skipped_turn(lookup_only=True, episode_done=True, filter_lookup_only=True)  # maybe kept
+    assert not cut_before_skipped_turn(lookup_only=True, episode_done=False, filter_lookup_only=False)
 
 
 class GuidedPolicy(ScriptedPolicy):

@@ -347,13 +347,11 @@ class TrainConfig(Section):
     """KL weight to the base model (0 in the paper)."""
     epsilon: float = Field(0.2, gt=0)
     """PPO clip range of the GRPO objective."""
-    tool_result_tokens: int = Field(1024, ge=16)
-    """Earlier tool results are truncated to this many tokens in training sequences (the paper's truncation of
-    earlier tool results). The agent's turn right after a result is sampled with it in full and trained on the
-    sequence's cut form, so a limit below a result's length trains that turn on a context without what it read:
-    at 256, a retail order's status (from token ~260-490 of its 420-770) and its payment (~320-500) were cut
-    away, and answers that said them were reinforced where they could not be seen. 1024 holds every retail
-    order (at most 767 tokens) and user (338)."""
+    tool_result_tokens: int = Field(256, ge=16)
+    """A tool result before a turn the loss skips (a lookup-only turn, `filter_lookup_only`) is cut to this many
+    tokens in the training sequence, and so in what every later turn is sampled from (the paper's truncation of
+    earlier tool results); a result before a trained turn stays whole, as that turn read it
+    (`training/grpo.py`: `cut_before_skipped_turn`)."""
     filter_lookup_only: bool = True
     """Drop samples whose only action is a read-only lookup (keeping one sample per episode)."""
     rollout_budget: int | None = Field(None, ge=1)

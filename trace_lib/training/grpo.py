@@ -19,14 +19,12 @@ An episode lasts at most `max_steps_per_episode` agent turns (or the env's own `
 lower); as in every env, an episode cut off by a limit scores 0.
 
 The episode is decoded token by token from these ids (`Policy.generate_ids` on concatenated ids,
-never a re-rendered conversation), so each agent turn is trained in the context it was sampled in,
-with one deliberate exception. Paper: "earlier tool results truncated in training prompts". The
-agent samples turn t from the training sequence so far, whose earlier tool results are cut to
-`tool_result_tokens`, followed by the latest tool result in full. In the one training sequence
-every tool result is an earlier one (some later turn follows it), so all of them are truncated
-there. Turn t is therefore trained on exactly its sampling context unless the result just before
-it was longer than the limit. Training only one turn per row would avoid that, but TRL needs
-exactly K rows per group.
+never a re-rendered conversation), so each agent turn is trained in exactly the context it was sampled
+in. Paper: "earlier tool results truncated in training prompts". A tool result is cut to
+`tool_result_tokens` once the agent's next turn turns out to be one the loss skips (a lookup-only turn,
+below), before the turn after that is sampled: a result the next trained turn reads (the one before an
+answer or a write) stays whole, and the turns after a cut result are sampled from the cut sequence they
+are trained on (`cut_before_skipped_turn`).
 
 Sampling logprobs are not returned (`logprobs: None`): generation and training use the same
 weights, so TRL's ratio is exactly 1 at the single update per batch. With constrained decoding the
@@ -99,6 +97,18 @@ class TrainSource:
     """A task's reference actions ({"tool", "arguments"} or {"say"} steps), for `train.start_late`."""
 
 
+@dataclass(frozen=True)
+class PendingReply:
+    """An environment reply at the end of an episode's sequence, in full, and what replaces it when it is cut."""
+
+    start: int
+    """Where its tokens start in completion_ids (they run to the end)."""
+    context_at: int
+    """Where its messages start in the episode's context (they run to the end)."""
+    cut_ids: list[int]
+    cut_messages: list[Message]
+
+
 @dataclass
 class Episode:
     """One rollout as token ids: the opening, then agent turns and environment text alternating."""
@@ -109,15 +119,15 @@ class Episode:
     env: Environment
     prompt_ids: list[int]
     context: list[Message]
-    """The conversation as trained on (tool results truncated)."""
+    """The conversation as trained on (results a skipped turn followed cut to `tool_result_tokens`)."""
     completion_ids: list[int] = field(default_factory=list)
     agent_mask: list[int] = field(default_factory=list)
     """1 on tokens the policy generated, 0 on the environment's text."""
     turns: list[tuple[int, int, bool]] = field(default_factory=list)
     """Agent turns as (start, end, lookup_only) spans of completion_ids."""
-    latest: tuple[int, list[int]] = (0, [])
-    """The last environment reply as the agent reads it: (length of its truncated form at the end
-    of completion_ids, its full form)."""
+    pending: PendingReply | None = None
+    """The last environment reply, whole at the end of completion_ids until the next turn says whether it
+    stays so (`cut_before_skipped_turn`)."""
     sample_prompt_ids: list[int] | None = None
     """The opening the episode is played from when it differs from the trained `prompt_ids` (the
     hint swap: the opening with expert guidance; the guidance is not in the trained sequence)."""
@@ -135,10 +145,10 @@ class Episode:
         return (self.source, self.seed, self.sample)
 
     def sampling_ids(self) -> list[int]:
-        """What the agent's next turn is sampled from: the sequence, latest tool result in full."""
-        cut, full = self.latest
+        """What the agent's next turn is sampled from: the sequence as it will be trained (the latest reply
+        whole), from the opening it is played with."""
         opening = self.prompt_ids if self.sample_prompt_ids is None else self.sample_prompt_ids
-        return opening + self.completion_ids[: len(self.completion_ids) - cut] + full
+        return opening + self.completion_ids
 
     @property
     def hinted(self) -> bool:
@@ -318,7 +328,7 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
         for batch in _by_source(live) if adapters is None else _by_tools(live):
             def next_turn(i: int, toks: list[int], why: str, batch: list[Episode] = batch) -> tuple[list[int], bool] | None:
                 ep = batch[i]
-                _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
+                _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens, cfg.filter_lookup_only)
                 return None if ep.env.done else (ep.sampling_ids(), must_call(cfg.tool_choice, ep.env))
 
             keys = [ep.key if adapters is None else (adapter_of[id(ep)], *ep.key) for ep in batch]
@@ -344,7 +354,7 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
             gen_s += time.perf_counter() - t0
             call += 1
             for ep, toks, why in zip(batch, tokens, finish, strict=True):
-                _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens)
+                _apply_turn(policy, ep, toks, why, cfg.tool_result_tokens, cfg.filter_lookup_only)
         policy.end_sessions([ep.key for ep in live if ep.env.done])
         live = [ep for ep in live if not ep.env.done]
     after = vars(policy.stats)
@@ -364,34 +374,66 @@ def _by_tools(episodes: Sequence[Episode]) -> list[list[Episode]]:
     return list(batches.values())
 
 
-def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_result_tokens: int) -> None:
-    """Step the env with one generated turn and append its tokens and the environment's reply."""
+def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_result_tokens: int,
+                filter_lookup_only: bool = True) -> None:
+    """Step the env with one generated turn and append its tokens and the environment's reply (whole: the next
+    turn reads it so), cutting the reply before this turn when the loss will skip this turn
+    (`cut_before_skipped_turn`)."""
     tok = policy.tokenizer
     tools = ep.env.tool_schemas()
     text = tok.decode([t for t in toks if t not in policy.stop_ids], skip_special_tokens=False)
     msg = parse_assistant(text, tools, turn=sum(1 for m in ep.context if m.role == "assistant"))
+    result = ep.env.step(msg)
+    lookup = _lookup_only(msg, ep.env.tool_kinds())
+    if cut_before_skipped_turn(lookup, result.done, filter_lookup_only):
+        _cut_pending(ep)
+    ep.pending = None
     start = len(ep.completion_ids)
     ep.completion_ids += toks
     ep.agent_mask += [1] * len(toks)
-    ep.turns.append((start, len(ep.completion_ids), _lookup_only(msg, ep.env.tool_kinds())))
+    ep.turns.append((start, len(ep.completion_ids), lookup))
     if finish != "stop" or toks[-1] != tok.convert_tokens_to_ids(TURN_END):
         close = policy.encode(TURN_END)  # the turn must end like a rendered one; not the agent's token
         ep.completion_ids += close
         ep.agent_mask += [0] * len(close)
-    result = ep.env.step(msg)
     if result.done:
         ep.context.append(msg)
-        ep.latest = (0, [])
         return
     cut = [o.model_copy(update={"content": truncate_text(tok, o.content, tool_result_tokens)})
            if o.role == "tool" else o for o in result.observations]
-    ids = policy.encode(_reply_text(policy, ep.context, msg, cut, tools))
-    full = ids if cut == result.observations else policy.encode(
-        _reply_text(policy, ep.context, msg, result.observations, tools))
-    ep.context += [msg, *cut]
-    ep.completion_ids += ids
-    ep.agent_mask += [0] * len(ids)
-    ep.latest = (len(ids), full)
+    full = policy.encode(_reply_text(policy, ep.context, msg, result.observations, tools))
+    ep.context.append(msg)
+    if cut != result.observations:
+        ep.pending = PendingReply(len(ep.completion_ids), len(ep.context),
+                                  policy.encode(_reply_text(policy, ep.context[:-1], msg, cut, tools)), cut)
+    ep.context += result.observations
+    ep.completion_ids += full
+    ep.agent_mask += [0] * len(full)
+
+
+def cut_before_skipped_turn(lookup_only: bool, episode_done: bool, filter_lookup_only: bool) -> bool:
+    """Whether the reply before an agent turn is cut to `train.tool_result_tokens` in the training sequence (and
+    in the contexts every later turn is sampled from).
+
+    The paper truncates earlier tool results in training prompts. A turn must be trained on what it was sampled
+    from, and it was sampled with the reply just before it whole, so a reply is cut only before a turn the loss
+    skips: a lookup-only turn with `filter_lookup_only`, unless it ends the episode (the loss keeps an episode's
+    last turn when all its turns are lookups). The decision is made before the next turn is sampled, so that turn
+    and every later one read the sequence they are trained on. Cutting every reply before the turn after it
+    trained that turn on a context without what it had read: a retail order's status and payment lie past the
+    256th of its 420-770 tokens, so answers that named them were reinforced where they could not be seen."""
+    return filter_lookup_only and lookup_only and not episode_done
+
+
+def _cut_pending(ep: Episode) -> None:
+    """Replace the pending (whole) reply at the end of the episode's sequence by its cut form."""
+    p = ep.pending
+    if p is None:
+        return
+    del ep.completion_ids[p.start:], ep.agent_mask[p.start:], ep.context[p.context_at:]
+    ep.completion_ids += p.cut_ids
+    ep.agent_mask += [0] * len(p.cut_ids)
+    ep.context += p.cut_messages
 
 
 def _reply_text(policy: Policy, context: list[Message], msg: Message, observations: list[Message], tools: list) -> str:
