@@ -99,13 +99,13 @@ class TrainSource:
 
 @dataclass(frozen=True)
 class PendingReply:
-    """An environment reply at the end of an episode's sequence, in full, and what replaces it when it is cut."""
+    """An environment reply at the end of an episode's sequence, in full, and the messages that replace it when it
+    is cut (rendered only then: most replies stay whole)."""
 
     start: int
     """Where its tokens start in completion_ids (they run to the end)."""
     context_at: int
-    """Where its messages start in the episode's context (they run to the end)."""
-    cut_ids: list[int]
+    """Where its messages start in the episode's context (they run to the end; the agent's turn before them)."""
     cut_messages: list[Message]
 
 
@@ -386,7 +386,7 @@ def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_
     result = ep.env.step(msg)
     lookup = _lookup_only(msg, ep.env.tool_kinds())
     if cut_before_skipped_turn(lookup, result.done, filter_lookup_only):
-        _cut_pending(ep)
+        _cut_pending(policy, ep, tools)
     ep.pending = None
     start = len(ep.completion_ids)
     ep.completion_ids += toks
@@ -404,8 +404,7 @@ def _apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_
     full = policy.encode(_reply_text(policy, ep.context, msg, result.observations, tools))
     ep.context.append(msg)
     if cut != result.observations:
-        ep.pending = PendingReply(len(ep.completion_ids), len(ep.context),
-                                  policy.encode(_reply_text(policy, ep.context[:-1], msg, cut, tools)), cut)
+        ep.pending = PendingReply(len(ep.completion_ids), len(ep.context), cut)
     ep.context += result.observations
     ep.completion_ids += full
     ep.agent_mask += [0] * len(full)
@@ -425,14 +424,16 @@ def cut_before_skipped_turn(lookup_only: bool, episode_done: bool, filter_lookup
     return filter_lookup_only and lookup_only and not episode_done
 
 
-def _cut_pending(ep: Episode) -> None:
+def _cut_pending(policy: Policy, ep: Episode, tools: list) -> None:
     """Replace the pending (whole) reply at the end of the episode's sequence by its cut form."""
     p = ep.pending
     if p is None:
         return
+    before, msg = ep.context[:p.context_at - 1], ep.context[p.context_at - 1]
+    ids = policy.encode(_reply_text(policy, before, msg, p.cut_messages, tools))
     del ep.completion_ids[p.start:], ep.agent_mask[p.start:], ep.context[p.context_at:]
-    ep.completion_ids += p.cut_ids
-    ep.agent_mask += [0] * len(p.cut_ids)
+    ep.completion_ids += ids
+    ep.agent_mask += [0] * len(ids)
     ep.context += p.cut_messages
 
 
