@@ -122,7 +122,9 @@ class EnvConfig(Section):
 
     def per_family(self, split: str) -> int:
         """Tasks per family in `split` ('train' or 'test')."""
-        return self.test_tasks_per_family or self.tasks_per_family if split == "test" else self.tasks_per_family
+        if split == "test" and self.test_tasks_per_family is not None:
+            return self.test_tasks_per_family
+        return self.tasks_per_family
 
 
 class RolloutConfig(Section):
