@@ -19,7 +19,9 @@ naive loop. Rows:
                  prefix caching, all episodes of a turn in flight; `vllm-fp32`: the same in fp32 (a CPU
                  without bf16 kernels)
     + variants   bf16; sdpa (prefix KV copied into every row); eager attention; no prefix cache;
-                 threads=1; static cache (naive)
+                 threads=1; static cache (naive); `unpacked` anywhere in a batched row: bf16 linear layers
+                 through `F.linear` (the weight reordered by oneDNN at every call) instead of packed once
+                 (agent/packed.py), e.g. `batched-bf16-kv-unpacked`
 
 Greedy decoding with a fixed token budget per turn (EOS ignored where the engine allows it,
 so all rows decode the same number of tokens). Server rows get token ids rendered and encoded
@@ -287,10 +289,10 @@ def main() -> None:
             if row.startswith("batched"):
                 pol = load_policy(model_dir, dtype="bfloat16" if "bf16" in row else "float32",
                                   attn_implementation={"eager": "eager", "sdpa": "sdpa"}.get(row.split("-")[-1], "cascade"),
-                                  prefix_cache=not row.endswith("noprefix"))
+                                  prefix_cache=not row.endswith("noprefix"), packed="unpacked" not in row)
                 run_batched(pol, 2, 1, 4)  # warm-up
                 pol._prefixes.clear()  # the shared prefix is computed inside the timed run
-                results[row] = run_batched(pol, *shape, sessions=row.endswith("-kv"))
+                results[row] = run_batched(pol, *shape, sessions="-kv" in row)
             elif row.startswith("naive"):
                 load, _ = resolve_model_path(model_dir)
                 pol = load_policy(model_dir)

@@ -24,6 +24,8 @@ weights' dtype:
                with one pass per iteration
     ours-unfolded  `ours` sampled through PEFT's LoRA layers instead of with the adapter folded into the base
                weights (`grpo.AgentRollout.fold_lora`, the default since 2026-12-01)
+    ours-unpacked  `ours` with bf16 linear layers through `F.linear` (oneDNN reorders each weight at every call)
+               instead of packed once where no gradient is recorded (`agent/packed.py`, the default since 2026-12-02)
     ours-shuffled  `ours-noprefix` with TRL's shuffle of the iteration's rows before they are split into loss
                passes (the trainer before 2026-11-29): with several passes per iteration (e.g. G8 x K4 in fp32,
                4 passes of 8) a pass holds rows of several groups instead of whole groups
@@ -63,6 +65,7 @@ import torch
 from datasets import Dataset
 from transformers import set_seed
 
+import trace_lib.agent.packed as packed_mod
 import trace_lib.agent.policy as policy_mod
 import trace_lib.training.shared_prompt as shared_prompt_mod
 import trace_lib.training.trainer as trainer_mod
@@ -96,8 +99,10 @@ ROWS = {
     "ours-noprefix": {"shared_prompt": True},
     "ours-shuffled": {"shared_prompt": True},
     "ours-unfolded": {"shared_prompt": True},
+    "ours-unpacked": {"shared_prompt": True},
 }
 UNFOLDED = {"ours-unfolded"}
+UNPACKED = {"ours-unpacked"}
 NO_STEMS = {"ours-nostem"}
 SHUFFLED = {"ours-shuffled"}
 NO_PREFIX = {"ours-noprefix", "ours-shuffled"}
@@ -288,6 +293,9 @@ def main() -> None:
                     if row in NO_PREFIX:
                         trainer_mod.MIN_PREFIX_TOKENS = 10**9
                     AgentRollout.fold_lora = row not in UNFOLDED
+                    packing_available = packed_mod.packing_available
+                    if row in UNPACKED:
+                        packed_mod.packing_available = lambda: False
                     t0 = time.perf_counter()
                     try:
                         manifest = train_adapter_mixture(model_dir, [source], cfg, out, seed=params.seed,
@@ -298,6 +306,7 @@ def main() -> None:
                         trainer_mod.rows_in_order = rows_in_order
                         trainer_mod.MIN_PREFIX_TOKENS = min_prefix
                         AgentRollout.fold_lora = True
+                        packed_mod.packing_available = packing_available
                     wall = time.perf_counter() - t0
                     n = max(manifest.rollouts_used, 1)
                     floor = counter.positions * 2 * linear_gflop_per_token(model_dir) / args.peak_gflops / n

@@ -56,6 +56,7 @@ from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row
 from trace_lib.io import read_json
 from trace_lib.agent.adapters import canonical_weights, route_label
 from trace_lib.agent.model import compute_dtype
+from trace_lib.agent.packed import install_packed_linears
 from trace_lib.agent.kvcache import (CASCADE, RowRoutes, append_rows, buffered, new_cache, row_routes, select_rows,
                                      shared_prefix, supports_cascade)
 from trace_lib.agent.threads import govern_threads, set_threads
@@ -1001,6 +1002,7 @@ def load_policy(
     prefix_cache: bool = True,
     device: str = "auto",
     tool_format: str | None = None,
+    packed: bool = True,
 ) -> Policy:
     """Load a causal LM (+ named LoRA adapters) as a Policy; the base model is active after loading.
 
@@ -1008,6 +1010,8 @@ def load_policy(
     prefix on CPU), or any transformers name ('sdpa', 'eager', ...). `device`: 'auto' (CUDA when
     present, else the CPU), or any torch device name. `tool_format`: how prompts list the tools
     (chat.TOOL_FORMATS); None: the one the prepared folder's model.json records (`model.tool_format`).
+    `packed`: bf16 linear layers on the CPU compute with their weights packed for oneDNN once
+    (agent/packed.py) wherever no gradient is recorded; the same outputs, ~2x faster products at decoding shapes.
     """
     set_threads(threads)
     load, base_id = resolve_model_path(model_dir)
@@ -1039,6 +1043,8 @@ def load_policy(
             model.load_adapter(path, adapter_name=name)
     if target.type != "cpu":
         model = model.to(target)
+    elif packed:
+        install_packed_linears(model)
     return Policy(model, tokenizer, policy_id or base_id, prefix_cache=prefix_cache, tool_format=tool_format)
 
 

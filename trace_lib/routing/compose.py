@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from trace_lib.agent import packed
 from trace_lib.agent.adapters import active_weights, lora_layers, merge_label, sole_adapter
 
 __all__ = ["apply_route", "is_merged", "merge_label", "merged_adapters", "use_adapter", "use_weights"]
@@ -85,11 +86,13 @@ def merged_adapters(model: Any, weights: Mapping[str, float]) -> Iterator[Any]:
             with torch.no_grad():
                 for layer, names in plan:
                     saved.extend(_merge_into(layer, names, active))
+            packed.invalidate()  # the weights were rewritten through `.data`: no version bump tells the packed copies
             yield model
         finally:
             with torch.no_grad():
                 for target, original in reversed(saved):
                     target.copy_(original)
+            packed.invalidate()
             setattr(model, _MERGED, False)
 
 

@@ -1,0 +1,135 @@
+"""bf16 linear layers with oneDNN-packed weights (agent/packed.py): the same outputs as `F.linear`, the plain
+path wherever a gradient is recorded, and packed copies rebuilt when weights change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trace_lib.agent import packed
+from trace_lib.agent.packed import PackedForward, install_packed_linears, packed_layers, packing_available
+from trace_lib.agent.policy import load_policy
+from trace_lib.records import Message
+from trace_lib.routing.compose import merged_adapters
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build or CPU has no oneDNN bf16 "
+                                   "packed linear ops (agent/packed.py falls back to F.linear there)")
+
+
+def bf16_linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16)
+
+
+@needs_packing
+@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (3, 7, 64), (2, 40, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_is_f_linear_to_the_bit(shape, bias):
+    layer = bf16_linear(64, 96, bias)
+    plain = nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())
+    assert install_packed_linears(layer) == 1
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, want = layer(x), plain(x)
+    assert isinstance(layer.forward, PackedForward) and layer.forward.packed is not None  # the packed path ran
+    assert got.shape == want.shape and torch.equal(got, want)
+    with torch.inference_mode():  # a non-contiguous input too
+        xt = torch.randn(64, shape[0], dtype=torch.bfloat16).t()
+        assert torch.equal(layer(xt), plain(xt))
+
+
+@needs_packing
+def test_gradients_take_the_plain_path():
+    layer = bf16_linear(32, 16, bias=True)
+    plain = bf16_linear(32, 16, bias=True)
+    install_packed_linears(layer)
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    layer(x).float().sum().backward()
+    plain(x2).float().sum().backward()
+    assert layer.forward.packed is None  # never packed: every call recorded a gradient
+    assert torch.equal(x.grad, x2.grad) and torch.equal(layer.weight.grad, plain.weight.grad)
+
+
+@needs_packing
+def test_a_weight_changed_in_place_is_packed_again():
+    layer = bf16_linear(32, 16, bias=False)
+    install_packed_linears(layer)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(2)  # an optimizer-style write: the version moves
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+        assert not torch.equal(layer(x), first)
+        layer.weight.data.add_(1)  # through .data: no version bump, so the copy is stale until invalidate()
+        stale = layer(x)
+        assert not torch.equal(stale, F.linear(x, layer.weight))
+        packed.invalidate()
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+def test_only_bf16_cpu_linears_are_given_the_packed_forward(monkeypatch):
+    model = nn.Sequential(nn.Linear(8, 8), bf16_linear(8, 8, bias=False), nn.Embedding(4, 8).to(torch.bfloat16))
+    if packing_available():
+        assert install_packed_linears(model) == 1
+        assert install_packed_linears(model) == 0  # installing twice wraps nothing twice
+        assert packed_layers(model) == 1 and not isinstance(model[0].__dict__.get("forward"), PackedForward)
+    monkeypatch.setattr(packed, "packing_available", lambda: False)
+    fresh = nn.Sequential(bf16_linear(8, 8, bias=False))
+    assert install_packed_linears(fresh) == 0 and packed_layers(fresh) == 0
+
+
+def test_fp32_and_unpacked_policies_have_no_packed_layers(tiny_model_dir):
+    assert packed_layers(load_policy(tiny_model_dir).model) == 0  # fp32 weights keep F.linear
+    assert packed_layers(load_policy(tiny_model_dir, dtype="bfloat16", packed=False).model) == 0
+
+
+@needs_packing
+def test_bf16_policy_decodes_the_same_tokens_packed_or_not(tiny_model_dir):
+    """Sampled multi-turn episodes with kept sessions, packed against `F.linear`: the same text."""
+    texts = {}
+    for use in (False, True):
+        pol = load_policy(tiny_model_dir, dtype="bfloat16", packed=use)
+        assert (packed_layers(pol.model) > 0) == use
+        convs = [[Message(role="system", content="You help customers with their orders. " * 8),
+                  Message(role="user", content=f"Where is order #W{i}00{i}?")] for i in range(4)]
+        out = []
+        for turn in range(2):
+            gens = pol.generate(convs, [], temperature=0.8, max_new_tokens=12, seed=turn, sessions=list(range(4)))
+            for conv, g in zip(convs, gens):
+                out.append(g.text)
+                conv += [Message(role="assistant", content=g.text), Message(role="user", content="And then?")]
+        texts[use] = out
+    assert texts[True] == texts[False]
+
+
+@needs_packing
+def test_a_merge_is_seen_by_the_packed_layers_and_undone_after(tiny_model_dir, tmp_path):
+    """`merged_adapters` rewrites weights through `.data` (no version bump): the packed copies follow it in and out."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "a")
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+
+    def run(pol, merged: bool) -> torch.Tensor:
+        with torch.inference_mode():
+            if merged:
+                with merged_adapters(pol.model, {"a": 1.0}):
+                    return pol.model(input_ids=ids).logits
+            with pol.model.disable_adapter():
+                return pol.model(input_ids=ids).logits
+
+    pol = load_policy(tiny_model_dir, dtype="bfloat16", adapters={"a": str(tmp_path / "a")})
+    ref = load_policy(tiny_model_dir, dtype="bfloat16", adapters={"a": str(tmp_path / "a")}, packed=False)
+    before = run(pol, merged=False)  # packs the base weights
+    assert torch.equal(before, run(ref, merged=False))
+    inside = run(pol, merged=True)
+    assert torch.equal(inside, run(ref, merged=True)) and not torch.equal(inside, before)
+    assert torch.equal(run(pol, merged=False), before)

@@ -1,0 +1,94 @@
+"""bf16 linear layers on the CPU through oneDNN with each weight reordered once, not at every call.
+
+Reads and writes nothing on disk; `load_policy` installs it on the policy's model (CPU, bf16 weights).
+
+torch's bf16 `F.linear` on the CPU hands the weight to oneDNN as a plain row-major matrix, and oneDNN
+reorders it into its blocked layout inside every call. At a decoding step's shapes (16 rows, SmolLM2's
+576x576 to 576x1536 projections) that reorder is most of the product's time: the 211 products of one
+step took 19.0 ms with `F.linear` and 10.7 ms with weights reordered once (`_reorder_linear_weight`, the
+packing torch's own inductor uses when it freezes a CPU model), and the lm-head's 49152x576 product 2.8
+against 1.7 ms (2-core AMD EPYC Zen 5, 2026-12-02; benchmarks/README.md, "packed weights"). The packed
+product computes the same kernel on the same blocks: on that machine its outputs were bit for bit those
+of `F.linear` at every row count tried (1 to 1,640). torch.compile would pack the same way but made a
+decoding step slower here (benchmarks/compile_decode.py), so the two oneDNN calls are made directly.
+
+The packed copy is used only where no gradient is recorded (`torch.is_grad_enabled()` false: decoding,
+the router's label logits, the loss pass's no-gradient prompt) and only for bf16 weights and inputs on
+the CPU; anywhere else the layer runs `F.linear` as before. A packed copy is rebuilt when its weight's
+storage or version changes, or after `invalidate()`: writes through `tensor.data` bump no version, so
+code that rewrites weights that way (`routing.compose.merged_adapters`) calls it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROWS_HINT = 16
+"""The row count oneDNN is told to pack for (the CPU default's decoding batch); any row count runs."""
+
+_generation = 0
+
+
+def invalidate() -> None:
+    """Mark every packed weight stale (after weights were rewritten in place without a version bump)."""
+    global _generation
+    _generation += 1
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear ops and bf16 kernels for this CPU."""
+    try:
+        ops = torch.ops.mkldnn
+        return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+                and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported()))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedForward:
+    """A `nn.Linear`'s forward: the packed product where it applies (see the module docstring), else `F.linear`."""
+
+    __slots__ = ("layer", "key", "packed")
+
+    def __init__(self, layer: nn.Linear) -> None:
+        self.layer = layer
+        self.key: tuple[int, int, int] | None = None
+        self.packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.layer.weight, self.layer.bias
+        if (torch.is_grad_enabled() or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+                or x.device.type != "cpu" or weight.device.type != "cpu"):
+            return F.linear(x, weight, bias)
+        key = (weight.data_ptr(), weight._version, _generation)
+        if key != self.key or self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+            self.key = key
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(),
+                                                  "none", [], "")
+
+
+def install_packed_linears(model: Any) -> int:
+    """Give every bf16 CPU `nn.Linear` of `model` the packed forward; returns how many layers got it (0 where
+    `packing_available()` is false). Layers whose weights are not bf16 now keep `F.linear` at every call."""
+    if not packing_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if (type(module) is nn.Linear and module.weight.dtype == torch.bfloat16
+                and module.weight.device.type == "cpu" and not isinstance(module.__dict__.get("forward"),
+                                                                          PackedForward)):
+            module.forward = PackedForward(module)
+            count += 1
+    return count
+
+
+def packed_layers(model: Any) -> int:
+    """How many layers of `model` run the packed forward."""
+    return sum(isinstance(m.__dict__.get("forward"), PackedForward) for m in model.modules())
