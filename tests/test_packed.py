@@ -36,9 +36,48 @@ def test_packed_product_is_f_linear_to_the_bit(shape, bias):
         got, want = layer(x), plain(x)
     assert isinstance(layer.forward, PackedForward) and layer.forward.packed is not None  # the packed path ran
     assert got.shape == want.shape and torch.equal(got, want)
-    with torch.inference_mode():  # a non-contiguous input too
-        xt = torch.randn(64, shape[0], dtype=torch.bfloat16).t()
-        assert torch.equal(layer(xt), plain(xt))
+    with torch.inference_mode():  # a non-contiguous input too: every row's last position, as a prefill's logits take
+        xt = torch.randn(*shape[:-1], 3, shape[-1], dtype=torch.bfloat16)[..., -1, :]
+        assert not xt.is_contiguous() or xt.shape[0] == 1
+        assert torch.equal(layer(xt), plain(xt))  # (with a bias, a strided input takes F.linear: see packed.py)
+
+
+@needs_packing
+def test_packed_product_is_f_linear_at_two_threads_too():
+    """The pipeline decodes at 2 threads (the tests run at 1): the bits do not depend on the thread count."""
+    layer = bf16_linear(576, 1536, bias=False)
+    want = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            install_packed_linears(layer)
+            x = torch.randn(16, 576, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(n))
+            with torch.inference_mode():
+                want[n] = (layer(x), F.linear(x, layer.weight))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in want.values())
+
+
+@needs_packing
+def test_a_packed_model_copies_and_pickles_without_its_packed_copies():
+    import copy
+    import io
+
+    model = nn.Sequential(bf16_linear(16, 8, bias=True))
+    install_packed_linears(model)
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)  # builds the (unpicklable) packed copy
+    twin = copy.deepcopy(model)
+    assert twin[0].forward.layer is twin[0] and twin[0].forward.packed is None
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(twin(x), want) and torch.equal(loaded(x), want)
 
 
 @needs_packing
@@ -103,6 +142,9 @@ def test_bf16_policy_decodes_the_same_tokens_packed_or_not(tiny_model_dir):
                 out.append(g.text)
                 conv += [Message(role="assistant", content=g.text), Message(role="user", content="And then?")]
         texts[use] = out
+        built = [m.forward.packed is not None for m in pol.model.modules() if isinstance(m.__dict__.get("forward"),
+                                                                                         PackedForward)]
+        assert (bool(built) and all(built)) == use  # every packed layer ran its packed product
     assert texts[True] == texts[False]
 
 

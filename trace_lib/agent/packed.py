@@ -16,7 +16,10 @@ The packed copy is used only where no gradient is recorded (`torch.is_grad_enabl
 the router's label logits, the loss pass's no-gradient prompt) and only for bf16 weights and inputs on
 the CPU; anywhere else the layer runs `F.linear` as before. A packed copy is rebuilt when its weight's
 storage or version changes, or after `invalidate()`: writes through `tensor.data` bump no version, so
-code that rewrites weights that way (`routing.compose.merged_adapters`) calls it.
+code that rewrites weights that way (`routing.compose.merged_adapters`) calls it. PEFT's own `merge`/`unmerge`
+write through `.data` too; trace never calls them on a packed model, and code that does must call `invalidate()`.
+Whether packed and plain products agree bit for bit depends on the kernels oneDNN picks for the CPU; runs record
+whether packing was available (`agent.model.numerics`, `packed_linears`).
 """
 
 from __future__ import annotations
@@ -62,16 +65,23 @@ class PackedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.layer.weight, self.layer.bias
         if (torch.is_grad_enabled() or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-                or x.device.type != "cpu" or weight.device.type != "cpu"):
+                or x.device.type != "cpu" or weight.device.type != "cpu"
+                or (bias is not None and not x.is_contiguous())):
+            # F.linear adds a bias to a strided input's product apart (rounded twice), where oneDNN fuses it
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version, _generation)
-        if key != self.key or self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
-            self.key = key
+        packed = self.packed
+        if key != self.key or packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+            self.packed, self.key = packed, key
         if not x.is_contiguous():
             x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None if bias is None else bias.detach(),
-                                                  "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None if bias is None else bias.detach(), "none", [], "")
+
+    def __reduce__(self) -> tuple[type, tuple[nn.Linear]]:
+        # A packed copy is an opaque oneDNN tensor that neither pickles nor deep-copies: a copied or saved model
+        # gets the forward without it and packs again on first use.
+        return (PackedForward, (self.layer,))
 
 
 def install_packed_linears(model: Any) -> int:
