@@ -281,12 +281,6 @@ def compute_dtype(dtype: str, device: Any) -> str:
     return "bfloat16" if bf16_is_faster(device) else "float32"
 
 
-def _packing_available() -> bool:
-    from trace_lib.agent.packed import packing_available  # packed imports torch; this module does not at import
-
-    return packing_available()
-
-
 def numerics(device: Any = None) -> dict[str, Any]:
     """Which arithmetic produced a stage's numbers, for its metrics (not for cached artifacts).
 
@@ -298,10 +292,12 @@ def numerics(device: Any = None) -> dict[str, Any]:
     """
     import torch
 
+    from trace_lib.agent.packed import packing_available  # here, like torch: this module loads neither at import
+
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_bf16_kernels": has_bf16_kernels(torch.device("cpu")),
             "cpu_bf16_faster": bf16_is_faster(torch.device("cpu")),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
-            "packed_linears": _packing_available(),
+            "packed_linears": packing_available(),
             **_thread_record(), "omp_wait_policy": _omp_wait_policy(),
             "cuda": torch.cuda.is_available(), **({"device": str(device)} if device is not None else {})}

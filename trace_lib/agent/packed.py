@@ -92,13 +92,17 @@ def install_packed_linears(model: Any) -> int:
     count = 0
     for module in model.modules():
         if (type(module) is nn.Linear and module.weight.dtype == torch.bfloat16
-                and module.weight.device.type == "cpu" and not isinstance(module.__dict__.get("forward"),
-                                                                          PackedForward)):
+                and module.weight.device.type == "cpu" and not _is_packed(module)):
             module.forward = PackedForward(module)
             count += 1
     return count
 
 
+def _is_packed(module: nn.Module) -> bool:
+    """Whether `module` runs the packed forward (set on the instance by `install_packed_linears`)."""
+    return isinstance(module.__dict__.get("forward"), PackedForward)
+
+
 def packed_layers(model: Any) -> int:
     """How many layers of `model` run the packed forward."""
-    return sum(isinstance(m.__dict__.get("forward"), PackedForward) for m in model.modules())
+    return sum(_is_packed(m) for m in model.modules())
