@@ -81,6 +81,27 @@ def test_a_packed_model_copies_and_pickles_without_its_packed_copies():
 
 
 @needs_packing
+def test_a_dropped_packed_model_is_freed_without_the_cyclic_collector():
+    import gc
+    import weakref
+
+    model = nn.Sequential(bf16_linear(16, 8, bias=False), bf16_linear(8, 4, bias=True))
+    assert install_packed_linears(model) == 2
+    with torch.no_grad():
+        model(torch.randn(2, 16, dtype=torch.bfloat16))  # builds the packed copies
+    layers = [weakref.ref(m) for m in model]
+    weight = weakref.ref(model[0].weight)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del model
+        assert all(ref() is None for ref in layers) and weight() is None  # freed by reference counting alone
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@needs_packing
 def test_gradients_take_the_plain_path():
     layer = bf16_linear(32, 16, bias=True)
     plain = bf16_linear(32, 16, bias=True)

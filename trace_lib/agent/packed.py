@@ -24,6 +24,7 @@ whether packing was available (`agent.model.numerics`, `packed_linears`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -53,17 +54,30 @@ def packing_available() -> bool:
 
 
 class PackedForward:
-    """A `nn.Linear`'s forward: the packed product where it applies (see the module docstring), else `F.linear`."""
+    """A `nn.Linear`'s forward: the packed product where it applies (see the module docstring), else `F.linear`.
 
-    __slots__ = ("layer", "key", "packed")
+    It holds its layer weakly: the layer holds it (as `forward` in its `__dict__`), and a strong reference back
+    would make each layer and its packed copy a reference cycle, so a dropped model's weights and their packed
+    copies (~270 MB each for SmolLM2 in bf16) would wait for the cyclic garbage collector instead of being freed
+    at once."""
+
+    __slots__ = ("_layer", "key", "packed")
 
     def __init__(self, layer: nn.Linear) -> None:
-        self.layer = layer
+        self._layer = weakref.ref(layer)
         self.key: tuple[int, int, int] | None = None
         self.packed: torch.Tensor | None = None
 
+    @property
+    def layer(self) -> nn.Linear:
+        layer = self._layer()
+        if layer is None:
+            raise ReferenceError("the layer of this packed forward was freed")
+        return layer
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.layer.weight, self.layer.bias
+        layer = self.layer
+        weight, bias = layer.weight, layer.bias
         if (torch.is_grad_enabled() or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
                 or x.device.type != "cpu" or weight.device.type != "cpu"
                 or (bias is not None and not x.is_contiguous())):
