@@ -274,6 +274,31 @@ def test_interference_matrix_long_form(policy):
     assert all(0 <= r["success_rate"] <= 1 for r in rows)
 
 
+def test_interference_matrix_in_one_batch_per_env_is_the_matrix_weight_by_weight(policy, monkeypatch):
+    """Each environment's base and adapter episodes decoded in one batch (fp32, greedy) give the same matrix,
+    in the same order; a policy that cannot mix weights in a batch decodes weight by weight."""
+    import trace_lib.evaluation.runner as ev
+
+    envs = {"e1": (KVEnv, [kv_task(1), kv_task(4)]), "e2": (KVEnv, [kv_task(2), kv_task(3), kv_task(5)])}
+    cfg = CFG.model_copy(update={"batch_size": 8})
+    alone = interference_matrix(policy, ["a", "b"], envs, cfg, seed=0)
+    batches = []
+    real = ev.collect_routed_rollouts
+
+    def counted(pol, factory, jobs, *args, **kwargs):
+        batches.append(sorted({tuple(w.items()) for _, w in jobs}))
+        return real(pol, factory, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(ev, "collect_routed_rollouts", counted)
+    monkeypatch.setattr(ev, "evaluate_policy", lambda *a, **k: pytest.fail("decoded weight by weight"))
+    assert interference_matrix(policy, ["a", "b"], envs, cfg, seed=0, together=True) == alone
+    assert batches == [[(), (("a", 1.0),), (("b", 1.0),)]] * 2  # one batch per environment, every route in it
+    monkeypatch.undo()
+    monkeypatch.setattr(type(policy), "plays_turns", property(lambda self: False))
+    monkeypatch.setattr(ev, "collect_routed_rollouts", lambda *a, **k: pytest.fail("decoded in one batch"))
+    assert interference_matrix(policy, ["a", "b"], envs, cfg, seed=0, together=True) == alone
+
+
 # --- routing quality ---------------------------------------------------------------------------------
 def test_routing_quality_on_constructed_decisions():
     adapters = ["precondition_verification", "structured_data_reasoning"]

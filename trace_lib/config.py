@@ -497,8 +497,9 @@ class EvaluateConfig(Section):
     each capability's env); 0 skips it."""
     decode_together: bool = False
     """Greedy evaluation with trace's own engine: decode every method's episodes (and the scaling stage's
-    every budget point's) in one continuously refilled batch whose rows run under different weights
-    (`runner.decode_into_memo`, `agent.row_lora`), the routes interleaved, instead of one batch per method.
+    every budget point's; the interference matrix's one environment at a time) in one continuously refilled
+    batch whose rows run under different weights (`runner.decode_into_memo`, `agent.row_lora`), the routes
+    interleaved, instead of one batch per method.
     On the CPU default's retail test split (98 episodes) it took 460 s against 551 s method by method, the
     same successes (benchmarks/README.md: evaluate_routes.py, 2026-11-28); the cpu profile turns it on.
     Off elsewhere: not measured on a GPU."""

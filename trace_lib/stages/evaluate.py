@@ -37,7 +37,8 @@ Running a method is `trace_lib.evaluation.runner`; the tables are `trace_lib.eva
 episodes are shared between methods that send a task to the same weights; with `evaluate.decode_together`
 (on in the cpu profile) every method's are decoded in one batch whose rows run under different weights
 (`runner.decode_into_memo`, `agent.row_lora`) before the rows are assembled (GEPA's, under another system
-prompt, and the interference matrix's apart).
+prompt, apart); the interference matrix then decodes each synthetic environment's episodes of the base model
+and of every adapter in one such batch.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             quality = routers[cfg.router]["test"]
         if cfg.interference_seeds and boxes:
             interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
-                                               progress)
+                                               progress, together=cfg.decode_together)
     metrics = _write_reports(runs, targets, decisions, quality, interference, budget, cfg, paths,
                              extra={"routers": routers, "analysis_rollouts": budget["discovery"],
                                     "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
