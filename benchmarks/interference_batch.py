@@ -6,7 +6,7 @@ The matrix plays the base model and every capability adapter on every capability
     by-weight   `runner.interference_matrix(..., together=False)`: one batch per (weights, environment), each
                 holding that environment's few seeds (2 rows in the CPU default)
     together    `together=True` (`evaluate.decode_together`): one batch per environment whose rows run under
-                the base model and every adapter (`collect_routed_rollouts`, `agent.row_lora`)
+                the base model and every adapter (`runner.decode_into_memo`, `agent.row_lora`)
 
 Reads a finished pipeline run under `--root` (its trained adapters in data/adapters/, its synthetic
 environments in data/envs/, the prepared model); writes nothing. Prints each arm's seconds and whether the

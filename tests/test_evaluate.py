@@ -290,7 +290,7 @@ def test_interference_matrix_in_one_batch_per_env_is_the_matrix_weight_by_weight
         return real(pol, factory, jobs, *args, **kwargs)
 
     monkeypatch.setattr(ev, "collect_routed_rollouts", counted)
-    monkeypatch.setattr(ev, "evaluate_policy", lambda *a, **k: pytest.fail("decoded weight by weight"))
+    monkeypatch.setattr(ev, "collect_rollouts", lambda *a, **k: pytest.fail("decoded weight by weight"))
     assert interference_matrix(policy, ["a", "b"], envs, cfg, seed=0, together=True) == alone
     assert batches == [[(), (("a", 1.0),), (("b", 1.0),)]] * 2  # one batch per environment, every route in it
     monkeypatch.undo()

@@ -313,31 +313,21 @@ def interference_matrix(policy: Any, adapters: Sequence[str],
     """Success of the base model and of each adapter on each capability's environment (long form:
     one dict per adapter x env with n, successes, success_rate; adapters outer, envs inner).
 
-    `together` (and a policy that can, `routes_in_one_batch`): an environment's episodes of the base model
-    and of every adapter are decoded in one batch whose rows run under different weights
-    (`collect_routed_rollouts`), as the methods' are. Weight by weight, each batch held one environment's
-    few seeds (2 rows in the CPU default), and the matrix took 106 of the evaluate stage's 585 s (py-spy,
-    2-core Zen 4 EPYC, 2026-12-02; benchmarks/README.md, "the evaluate stage"). Rows meet other rows, so in
-    bf16 an episode may round differently from the one decoded weight by weight; in fp32 it is the same."""
-    names = [None, *adapters]
-    if together and routes_in_one_batch(policy) is not None:
-        log.info("interference matrix decoded weight by weight: %s", routes_in_one_batch(policy))
-        together = False
-    found: dict[tuple[str | None, str], list[Trajectory]] = {}
-    for env_name, (factory, tasks) in envs.items():
-        if together:
-            jobs = [(task, {} if name is None else {name: 1.0}) for name in names for task in tasks]
-            per_job, _ = collect_routed_rollouts(policy, factory, jobs, rollout_cfg, seed, progress)
-            for i, name in enumerate(names):
-                found[name, env_name] = sorted((x for trajs in per_job[i * len(tasks):(i + 1) * len(tasks)]
-                                                for x in trajs), key=lambda t: t.id)
-        else:
-            for name in names:
-                found[name, env_name] = evaluate_policy(policy, tasks, factory, rollout_cfg, seed, name, progress)
+    `together` (greedy decoding and a policy that can, `routes_in_one_batch`): an environment's episodes of the
+    base model and of every adapter are decoded in one batch whose rows run under different weights
+    (`decode_into_memo`), as the methods' are. Weight by weight, each batch held one environment's few seeds
+    (2 rows in the CPU default), and the matrix took 106 of the evaluate stage's 585 s (py-spy, 2-core Zen 4
+    EPYC, 2026-12-02; benchmarks/README.md, "the evaluate stage"). Rows meet other rows, so in bf16 an episode
+    may round differently from the one decoded weight by weight; in fp32 it is the same."""
+    memo: EpisodeMemo | None = {} if together and rollout_cfg.temperature == 0 else None
+    if memo is not None:  # decodes nothing where the policy cannot mix weights: then weight by weight below
+        for env_name, (factory, tasks) in envs.items():
+            decode_into_memo(policy, tasks, factory, rollout_cfg, seed, [None, *adapters], memo, env_name, progress)
     rows = []
-    for name in names:
-        for env_name in envs:
-            trajs = found[name, env_name]
+    for name in [None, *adapters]:
+        for env_name, (factory, tasks) in envs.items():
+            trajs = evaluate_policy(policy, tasks, factory, rollout_cfg, seed, name, progress, memo=memo,
+                                    env_name=env_name)
             k = sum(t.success for t in trajs)
             rows.append({"adapter": name or "base", "env": env_name, "n": len(trajs), "successes": k,
                          "success_rate": k / len(trajs) if trajs else None})
