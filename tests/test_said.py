@@ -6,7 +6,7 @@ import pytest
 
 from trace_lib import synth_sdk
 from trace_lib.analyst.detectors import detect
-from trace_lib.envs.said import normalize_text, output_found, said_to_user, texts_said
+from trace_lib.envs.said import normalize_text, output_found, rival_values, said_to_user, texts_said
 from trace_lib.records import Message, Task, ToolCall, Trajectory, UserScenario
 
 CASES = [
@@ -20,6 +20,15 @@ CASES = [
     ("Delivered", "your order was DELIVERED.", True),
     ("pending", "it is not processed", False),
     ("delivered", "it is undelivered", False),
+    # an answer naming several candidates of the required value's kind does not say it
+    ("delivered", "Your order is delivered or pending.", False),
+    ("processed", "It has been processed and delivered.", False),
+    ("cancelled", "The status of order #W1 is cancelled and the item details are listed.", True),
+    ("delivered", "Your order is delivered, so it cannot be cancelled: only pending orders can be.", True),
+    ("536.65", "You paid $536.65: $500.00 for the items and 36.65 for shipping.", False),
+    ("536.65", "Order #W4817420 (zip 78234) cost 536.65 in total.", True),
+    ("1234.5", "That is $1,234.50, paid in full.", True),
+    ("Porto", "It ships to Porto, 12.50 km away.", True),
 ]
 
 
@@ -66,3 +75,17 @@ def test_only_plain_agent_turns_count():
     assert texts_said(msgs) == ["It was 46."]
     assert not said_to_user(msgs, "45") and said_to_user(msgs, "46")
     assert texts_said([m.model_dump(mode="json") for m in msgs]) == ["It was 46."]
+
+
+def test_a_hedge_in_one_message_does_not_spoil_a_clear_answer_in_another():
+    msgs = [Message(role="assistant", content="It is pending or delivered, let me check."),
+            Message(role="assistant", content="Your order is delivered.")]
+    assert said_to_user(msgs, "delivered")
+    assert not said_to_user(msgs[:1], "delivered")
+
+
+def test_rival_values_by_kind():
+    assert rival_values("delivered", normalize_text("Delivered, not cancelled; pending orders can be cancelled")) == [
+        "cancelled"]
+    assert rival_values("12.5", normalize_text("$12.50 or $13 or 12.50")) == ["13"]
+    assert rival_values("porto", "porto or lisbon") == []

@@ -52,7 +52,8 @@ class Message(BaseModel):
     invalid: str | None = None
     """For assistant turns: why the raw text was not a valid action (None when it was)."""
     suspicious: str | None = None
-    """For assistant turns taken as they are: why they look wrong (e.g. they imitate chat markup)."""
+    """For assistant turns that imitate the chat protocol (markup such as `<tool_response>`): why. Such a turn is
+    also `invalid`."""
     error: bool = False
     """For tool turns: the tool refused the call (bad arguments, failed precondition, unknown tool)."""
 
@@ -109,7 +110,7 @@ class Trajectory(Record):
     tool_errors: int
     turns: int
     suspicious_turns: int = 0
-    """Agent turns taken as messages that imitate the chat protocol (`Message.suspicious`)."""
+    """Agent turns that imitate the chat protocol (`Message.suspicious`; each also an invalid action)."""
     tool_faults: int = 0
     """Tool calls stopped by the limits (timeout, crash) or cut by the output cap; also tool errors."""
     prompt_tokens: int

@@ -58,8 +58,8 @@ _STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
 PROTOCOL_MARKUP = ("<tool_response>", "</tool_response>", "<tools>", "</tools>", "<|im_start|>", "<|im_end|>",
                    "<|endoftext|>")
-"""Chat-format markup that has no place in a message to the user: a turn holding it imitates the
-protocol (e.g. a made-up tool result). Such turns are kept as messages but marked `suspicious`."""
+"""Chat-format markup that has no place in an agent turn: a turn holding it imitates the protocol (e.g. a
+made-up tool result), so it is an invalid action the environment answers, also marked `suspicious`."""
 _CALL_SYNTAX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 
 
@@ -321,6 +321,8 @@ def _parse(text: str, tools: list[dict[str, Any]], turn: int, max_chars: int) ->
     if len(text) > max_chars:
         return _invalid(text, f"output too long ({len(text)} > {max_chars} characters)", max_chars)
     markup = _protocol_markup(text)
+    if markup is not None:
+        return _invalid(text, markup, max_chars).model_copy(update={"suspicious": markup})
     text = _cut_at_stop(text)
     if not text.strip():
         return _invalid(text, "empty output", max_chars)
@@ -343,7 +345,7 @@ def _parse(text: str, tools: list[dict[str, Any]], turn: int, max_chars: int) ->
         failed = _failed_call_shape(bare, params)
         if failed:
             return _invalid(text, failed, max_chars)
-        return Message(role="assistant", content=text.strip(), suspicious=markup)
+        return Message(role="assistant", content=text.strip())
 
     calls: list[ToolCall] = []
     outside: list[str] = []
@@ -370,7 +372,7 @@ def _parse(text: str, tools: list[dict[str, Any]], turn: int, max_chars: int) ->
         calls.append(call.model_copy(update={"id": f"call_{turn}_{len(calls)}"}))
         pos = end + len(CLOSE_TAG)
     content = "\n".join(s.strip() for s in outside if s.strip())
-    return Message(role="assistant", content=content, tool_calls=calls, suspicious=markup)
+    return Message(role="assistant", content=content, tool_calls=calls)
 
 
 def _protocol_markup(text: str) -> str | None:

@@ -9,7 +9,9 @@ trajectory PRESENT for a capability that the reward failed it for.
 Matching rules: case-insensitive, after number normalisation (`normalize_text`: thousands separators
 dropped, trailing decimal zeros stripped, so "$1,234.50", "1234.5" and "1234.50" all match), and
 only whole tokens: "100" does not match "1000", "delivered" does not match "undelivered". τ²-bench
-itself only drops commas.
+itself only drops commas. A message that names the required value beside another candidate of the same
+kind (`rival_values`: two order statuses, two amounts of money) does not count as saying it, so text that
+hedges over several values earns nothing.
 """
 
 from __future__ import annotations
@@ -33,13 +35,41 @@ def normalize_text(text: str) -> str:
     return _NUMBER.sub(_canonical_number, text.lower())
 
 
+ORDER_STATUSES = ("pending", "processed", "delivered", "cancelled", "return requested", "exchange requested")
+"""The order statuses of τ²-bench retail: candidates of one kind, so an answer may name only one of them."""
+_STATUS = re.compile(r"(?<![0-9a-z])(?<!be )(?<!been )(" + "|".join(ORDER_STATUSES) + r")(?![0-9a-z])(?! orders?\b)")
+"""A status stated of an order: not the verb ("can be cancelled") nor a class of orders ("pending orders")."""
+_AMOUNT = re.compile(r"^\$?\d+(?:\.\d+)?$")
+_AMOUNT_IN_TEXT = re.compile(r"(?:\$\d+(?:\.\d+)?|(?<![0-9a-z#])\d+\.\d+)(?![0-9a-z])")
+"""Money in normalised text: a number after '$' or with decimals (ids, zips and counts have neither)."""
+
+
+def _token(pattern: str) -> re.Pattern[str]:
+    return re.compile(r"(?<![0-9a-z])" + re.escape(pattern) + r"(?![0-9a-z])")
+
+
+def rival_values(needle: str, text: str) -> list[str]:
+    """Other candidates of `needle`'s kind named in `text` (both normalised): other order statuses where
+    `needle` is one, other amounts of money where `needle` is an amount; [] for any other kind of value."""
+    if needle in ORDER_STATUSES:
+        return sorted({m.group(1) for m in _STATUS.finditer(text)} - {needle})
+    if _AMOUNT.match(needle):
+        amount = needle.lstrip("$")
+        return sorted({m.group(0).lstrip("$") for m in _AMOUNT_IN_TEXT.finditer(text)} - {amount})
+    return []
+
+
 def output_found(required: str, texts: Iterable[str]) -> bool:
-    """Whether `required` appears as a whole token sequence in one of `texts` (rules above)."""
+    """Whether `required` appears as a whole token sequence in one of `texts` that names no rival value
+    (rules above)."""
     needle = normalize_text(required.strip())
     if not needle:
         return True
-    pattern = re.compile(r"(?<![0-9a-z])" + re.escape(needle) + r"(?![0-9a-z])")
-    return any(pattern.search(normalize_text(t)) for t in texts)
+    pattern = _token(needle)
+    for text in map(normalize_text, texts):
+        if pattern.search(text) and not rival_values(needle, text):
+            return True
+    return False
 
 
 def is_said_to_user(message: Any) -> bool:
