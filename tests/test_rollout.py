@@ -56,6 +56,37 @@ def test_summary_rates_and_intervals():
     assert s["invalid_action_rate"] == 6 / (6 + 4)
 
 
+def _call(key: str) -> Message:
+    from trace_lib.records import ToolCall
+
+    return Message(role="assistant", tool_calls=[ToolCall(name="get_value", arguments={"key": key})])
+
+
+def test_a_repeated_call_ends_the_episode_unrun_and_scores_zero():
+    env: Environment = KVEnv(max_steps=6)
+    env.end_on_repeat = True
+    env.reset(kv_task(1))
+    assert not env.step(_call("k1")).done
+    assert not env.step(_call("k2")).done  # another argument is another call
+    out = env.step(_call("k1"))
+    assert (out.done, out.termination) == (True, "repeated_call")
+    assert out.observations[0].error and "already called" in out.observations[0].content
+    assert env.state.tool_calls == 2  # the repeat was not run
+    assert env.reward() == (0.0, {"termination": "repeated_call"})
+
+
+def test_repeats_are_allowed_unless_asked_and_make_env_sets_it():
+    from trace_lib.config import EnvConfig
+    from trace_lib.envs import make_env
+
+    env: Environment = KVEnv(max_steps=6)
+    env.reset(kv_task(1))
+    for _ in range(3):
+        assert not env.step(_call("k1")).done
+    assert make_env(EnvConfig(end_on_repeated_call=True)).end_on_repeat
+    assert not make_env(EnvConfig()).end_on_repeat
+
+
 def test_step_after_done_is_an_error():
     env: Environment = KVEnv()
     env.reset(kv_task(1))

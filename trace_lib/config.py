@@ -90,7 +90,8 @@ class EnvConfig(Section):
     """'retail' (built-in procedural families over τ²-bench retail tools), 'phone' (built-in ToolSandbox-style
     phone scenarios, milestone scoring), 'tau2-retail', 'tau2-airline'."""
     families: list[str] = Field(default_factory=list)
-    """Task families to generate (empty: all of the environment's families)."""
+    """Task families to generate (empty: the environment's full set; retail: `envs.families.FULL_SET`, the seven
+    families other than `order_tracking`)."""
     tasks_per_family: int = Field(8, ge=1)
     """Tasks generated per family and split (built-in environments); `test_tasks_per_family` may set the test
     split's apart."""
@@ -104,6 +105,9 @@ class EnvConfig(Section):
     agent message, batch of tool results and user message is a step (τ²'s own default is 200)."""
     max_errors: int = Field(4, ge=1)
     """Invalid actions plus failed tool calls before the episode is cut off (scores 0)."""
+    end_on_repeated_call: bool = False
+    """End an episode (scoring 0) at the agent's second identical tool call: a small model that loops on one
+    lookup otherwise plays to `max_steps`, the costliest episodes of a run."""
     seed: int = 0
     """Seed of the task generator (fixed so the split never changes)."""
     tools: Literal["core", "all"] = "core"

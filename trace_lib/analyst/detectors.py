@@ -298,6 +298,8 @@ def communicate_result(traj: Trajectory, kinds: dict[str, str], task: Task | Non
 def multi_step_completion(traj: Trajectory, kinds: dict[str, str], task: Task | None) -> Verdict:
     events = call_events(traj)
     loop = _loops(traj, events)
+    if traj.termination == "repeated_call":
+        return "LACKING", "repeated a tool call it had made before (the episode ended there)"
     if traj.termination == "max_steps":
         return "LACKING", f"ran out of steps ({loop})" if loop else "ran out of steps before finishing"
     if loop:

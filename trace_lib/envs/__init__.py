@@ -36,7 +36,9 @@ def _module(name: str):
 
 def make_env(cfg: EnvConfig) -> Environment:
     """A fresh environment instance (one per concurrent episode)."""
-    return _module(cfg.name).build_env(cfg)
+    env = _module(cfg.name).build_env(cfg)
+    env.end_on_repeat = cfg.end_on_repeated_call
+    return env
 
 
 def graded_reward(name: str) -> bool:

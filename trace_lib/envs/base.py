@@ -7,8 +7,9 @@ An episode, as in τ²-bench: `reset(task)` returns the opening messages (system
 user's first turn); the agent then answers with one assistant `Message` per `step`. A message with
 tool calls is executed tool by tool; a message without them goes to the user simulator; a message
 whose text could not be parsed (`Message.invalid`) is answered with an error observation and
-counted, never raised. The episode ends when the user stops, a transfer tool is called, or the
-step / error limits are hit; a run that ends on a limit scores 0.
+counted, never raised. The episode ends when the user stops, a transfer tool is called, the step /
+error limits are hit, or (with `end_on_repeat`) the agent repeats a call it made before; a run that ends
+on a limit or a repeat scores 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ from trace_lib.envs.said import texts_said
 from trace_lib.records import Message, Task, ToolCall
 
 ToolKind = Literal["read", "write", "generic"]
+LIMIT_ENDINGS = ("max_steps", "max_errors", "repeated_call")
+"""Terminations that score 0 whatever the state (τ²-bench scores a run cut off by a limit as a failure)."""
+
+
+def _is_repeat(earlier: list[Message], call: ToolCall) -> bool:
+    """Whether an earlier agent turn made a call with `call`'s name and arguments."""
+    return any(c.name == call.name and c.arguments == call.arguments
+               for m in earlier if m.role == "assistant" for c in m.tool_calls)
 
 
 class ToolSpec(BaseModel):
@@ -75,6 +84,9 @@ class Environment(ABC):
 
     name: str = "env"
     transfer_tools: frozenset[str] = frozenset({"transfer_to_human_agents"})
+    end_on_repeat: bool = False
+    """End the episode (scoring 0) when the agent makes a tool call equal to an earlier one of the episode
+    (name and arguments); the call is not run. `env.end_on_repeated_call` sets it through `make_env`."""
     isolate_tools: bool = True
     """Run tool calls through `call_limited` (a forked copy under a time limit). Environments whose
     tools already run out of process under limits (the synthesized ones) turn it off."""
@@ -156,6 +168,12 @@ class Environment(ABC):
             )
         elif action.tool_calls:
             for call in action.tool_calls:
+                if self.end_on_repeat and _is_repeat(st.messages[:-1], call):
+                    observations.append(Message(role="tool", name=call.name, tool_call_id=call.id, error=True,
+                                                content=f"Error: {call.name} was already called with these "
+                                                        "arguments; the episode ends."))
+                    self._finish(st, "repeated_call")
+                    break
                 observations.append(self._run_tool(st, call))
                 if call.name in self.transfer_tools:
                     self._finish(st, "transfer")
@@ -175,7 +193,7 @@ class Environment(ABC):
     def reward(self) -> tuple[float, dict[str, Any]]:
         """Score of the finished episode; episodes that ended on a limit score 0, as in τ²-bench."""
         st = self._require_state()
-        if st.termination in ("max_steps", "max_errors"):
+        if st.termination in LIMIT_ENDINGS:
             return 0.0, {"termination": st.termination}
         value, info = self._score()
         return value, {"termination": st.termination, **info}

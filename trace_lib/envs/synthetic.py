@@ -116,6 +116,7 @@ class SyntheticEnv(Environment):
         super().__init__(max_steps=max_steps or target_cfg.max_steps, max_errors=max_errors or target_cfg.max_errors,
                          tool_limits=ToolLimits.of(target_cfg))
         target = target_env(target_cfg)
+        self.end_on_repeat = target_cfg.end_on_repeated_call
         self.sandbox = sandbox
         self.name = f"synth:{sandbox.meta.get('CAPABILITY')}"
         self.transfer_tools = target.transfer_tools
