@@ -8,6 +8,7 @@ from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.config import EnvConfig
 from trace_lib.envs.families import (
     FAMILIES,
+    FULL_SET,
     core_tool_names,
     family_names,
     make_family_tasks,
@@ -25,7 +26,7 @@ def db():
 
 def test_family_names_and_vocabulary():
     names = family_names()
-    assert 5 <= len(names) <= 7
+    assert 5 <= len(names) <= 8
     assert list(names) == [f.name for f in FAMILIES]
     assert all(desc.strip() for desc in names.values())
     assert [f.difficulty for f in FAMILIES] == sorted(f.difficulty for f in FAMILIES)
@@ -36,7 +37,7 @@ def test_family_names_and_vocabulary():
 
 
 def test_tasks_are_well_formed(db):
-    tasks = build_tasks(EnvConfig(tasks_per_family=4), "all")
+    tasks = build_tasks(EnvConfig(tasks_per_family=4, families=list(family_names())), "all")
     assert len(tasks) == 2 * 4 * len(FAMILIES)
     assert len({t.id for t in tasks}) == len(tasks)
     for t in tasks:
@@ -70,9 +71,9 @@ def test_the_test_split_can_hold_more_tasks_per_family_and_keeps_the_smaller_one
     large = EnvConfig(tasks_per_family=2, test_tasks_per_family=5)
     assert build_tasks(large, "train") == build_tasks(small, "train")
     test = build_tasks(large, "test")
-    assert Counter(t.family for t in test) == {f: 5 for f in family_names()}
+    assert Counter(t.family for t in test) == {f: 5 for f in FULL_SET}
     assert [t for t in test if int(t.id[-3:]) < 2] == build_tasks(small, "test")
-    assert [t.split for t in build_tasks(large, "all")].count("test") == 5 * len(family_names())
+    assert [t.split for t in build_tasks(large, "all")].count("test") == 5 * len(FULL_SET)
 
 
 def test_splits_share_no_user_or_order(db):
@@ -107,7 +108,7 @@ def test_tags_mark_adversarial_pressure(db):
 def test_every_family_solvable_by_gold_on_many_seeds(seed):
     """A perfect agent (gold calls, a yes/no question before writes, the required facts) scores 1."""
     env = RetailEnv()
-    for task in build_tasks(EnvConfig(tasks_per_family=2, seed=seed), "all"):
+    for task in build_tasks(EnvConfig(tasks_per_family=2, seed=seed, families=list(family_names())), "all"):
         env.reset(task)
         for gold in task.gold_actions:
             if env.tool_kinds()[gold.name] == "write":
@@ -116,3 +117,17 @@ def test_every_family_solvable_by_gold_on_many_seeds(seed):
         env.step(Message(role="assistant", content="Result: " + ", ".join(task.required_outputs)))
         reward, info = env.reward()
         assert reward == 1.0, (seed, task.id, info)
+
+
+def test_an_empty_family_list_is_the_full_seven_family_set(db):
+    tasks = build_tasks(EnvConfig(tasks_per_family=1), "train")
+    assert [t.family for t in tasks] == [f for f in family_names() if f in FULL_SET] and len(FULL_SET) == 7
+
+
+def test_order_tracking_asks_the_one_tracking_number(db):
+    tasks = make_family_tasks(db, "order_tracking", "train", 6)
+    for t in tasks:
+        order = db.orders[t.meta["entity"]]
+        assert order.status in ("processed", "delivered")
+        assert t.required_outputs == order.fulfillments[0].tracking_id
+        assert t.meta["entity"] in t.user.reason_for_call and "tracking number" in t.user.reason_for_call

@@ -6,7 +6,7 @@ import pytest
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs import make_env, make_tasks
-from trace_lib.envs.families import FAMILIES, make_family_tasks
+from trace_lib.envs.families import FAMILIES, FULL_SET, make_family_tasks
 from trace_lib.envs.retail import (
     RetailEnv,
     build_env,
@@ -69,7 +69,7 @@ def test_tools_are_tau2s_own(env):
 def test_registry_and_config_errors():
     cfg = EnvConfig(tasks_per_family=1)
     assert isinstance(make_env(cfg), RetailEnv)
-    assert len(make_tasks(cfg, "train")) == len(FAMILIES)
+    assert len(make_tasks(cfg, "train")) == len(FULL_SET)
     with pytest.raises(ValueError, match="env.user"):
         build_env(EnvConfig(user="llm"))
 

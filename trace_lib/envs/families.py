@@ -102,6 +102,24 @@ def _order_total(db, oid: str, rng: random.Random) -> dict[str, Any]:
     )
 
 
+def _order_tracking(db, oid: str, rng: random.Random) -> dict[str, Any]:
+    (tracking,) = db.orders[oid].fulfillments[0].tracking_id
+    ask = rng.choice([f"Hi! What is the tracking number of my order {oid}?",
+                      f"Hello, can you give me the tracking number for order {oid}?",
+                      f"Hi, I need the tracking number of my order {oid}, please."])
+    return dict(
+        instruction=f"The user gives order id {oid} and asks for its tracking number; the agent reads the fulfillment and says {tracking}.",
+        user=UserScenario(reason_for_call=ask, known_info={"order_id": oid}),
+        gold_actions=[_call("get_order_details", order_id=oid)],
+        required_outputs=[tracking],
+    )
+
+
+def _tracked(db) -> list[str]:
+    return [oid for oid in _orders(db, "processed", "delivered")
+            if len(db.orders[oid].fulfillments) == 1 and len(db.orders[oid].fulfillments[0].tracking_id) == 1]
+
+
 def _gift_card_balance(db, uid: str, rng: random.Random) -> dict[str, Any]:
     user = db.users[uid]
     card = next(p for p in user.payment_methods.values() if p.source == "gift_card")
@@ -203,6 +221,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("order_total", "user gives an order id and asks the total paid: one lookup, read the amount", 2,
            ("get_order_details",), ("tool_call_precision", "structured_data_reasoning", "communicate_result"),
            lambda db: _orders(db, "pending", "processed", "delivered", single_payment=True), _order_total),
+    Family("order_tracking", "user gives an order id and asks the tracking number: one lookup, read the fulfillment", 2,
+           ("get_order_details",), ("tool_call_precision", "structured_data_reasoning", "communicate_result"),
+           _tracked, _order_tracking),
     Family("gift_card_balance", "authenticate by email or name+zip, read the account, say the gift card balance", 3,
            _AUTH + ("get_user_details",),
            ("identity_verification", "tool_call_precision", "structured_data_reasoning",
@@ -231,10 +252,13 @@ FAMILIES: tuple[Family, ...] = (
            _returnable, _return_item),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
+FULL_SET = ("order_status", "order_total", "gift_card_balance", "refuse_cancel", "cancel_pending", "change_address",
+            "return_item")
+"""The seven families an empty `env.families` means: the whole retail task set, from one lookup to returns."""
 
 
 def family_names() -> dict[str, str]:
-    """Family name -> one-line description, easiest first."""
+    """Family name -> one-line description, easiest first (every family, `FULL_SET`'s and the others)."""
     return {f.name: f"(difficulty {f.difficulty}) {f.description}" for f in FAMILIES}
 
 
@@ -285,7 +309,7 @@ def build_family_tasks(db, cfg: EnvConfig, split: str) -> list[Task]:
     unknown = [f for f in cfg.families if f not in _BY_NAME]
     if unknown:
         raise ValueError(f"env.families: unknown family {unknown[0]!r}; choose from {sorted(_BY_NAME)}")
-    chosen = [f.name for f in FAMILIES if not cfg.families or f.name in cfg.families]
+    chosen = [f.name for f in FAMILIES if f.name in (cfg.families or FULL_SET)]
     splits = SPLITS if split == "all" else (split,)
     return [t for s in splits for fam in chosen
             for t in make_family_tasks(db, fam, s, cfg.per_family(s), cfg.seed, cfg.test_fraction)]
