@@ -10,7 +10,8 @@ Matching rules: case-insensitive, after number normalisation (`normalize_text`: 
 dropped, trailing decimal zeros stripped, so "$1,234.50", "1234.5" and "1234.50" all match), and
 only whole tokens: "100" does not match "1000", "delivered" does not match "undelivered". τ²-bench
 itself only drops commas. A message that names the required value beside another candidate of the same
-kind (`rival_values`: two order statuses, two amounts of money) does not count as saying it, so text that
+kind (`rival_values`: two order statuses, two amounts of money, two long numbers such as tracking numbers
+and item ids) does not count as saying it, so text that
 hedges over several values earns nothing.
 """
 
@@ -42,6 +43,9 @@ _STATUS = re.compile(r"(?<![0-9a-z])(?<!be )(?<!been )(" + "|".join(ORDER_STATUS
 _AMOUNT = re.compile(r"^\$?\d+(?:\.\d+)?$")
 _AMOUNT_IN_TEXT = re.compile(r"(?:\$\d+(?:\.\d+)?|(?<![0-9a-z#])\d+\.\d+)(?![0-9a-z])")
 """Money in normalised text: a number after '$' or with decimals (ids, zips and counts have neither)."""
+_LONG_NUMBER = re.compile(r"^\d{6,}$")
+_LONG_NUMBER_IN_TEXT = re.compile(r"(?<![0-9a-z#.$])\d{6,}(?![0-9a-z])")
+"""A free-standing number of six digits or more (a tracking number, an item id); not an order id ('#w...')."""
 
 
 def _token(pattern: str) -> re.Pattern[str]:
@@ -50,9 +54,12 @@ def _token(pattern: str) -> re.Pattern[str]:
 
 def rival_values(needle: str, text: str) -> list[str]:
     """Other candidates of `needle`'s kind named in `text` (both normalised): other order statuses where
-    `needle` is one, other amounts of money where `needle` is an amount; [] for any other kind of value."""
+    `needle` is one, other numbers of six digits or more where `needle` is one, else other amounts of money where
+    `needle` is a number; [] for any other kind of value."""
     if needle in ORDER_STATUSES:
         return sorted({m.group(1) for m in _STATUS.finditer(text)} - {needle})
+    if _LONG_NUMBER.match(needle):
+        return sorted({m.group(0) for m in _LONG_NUMBER_IN_TEXT.finditer(text)} - {needle})
     if _AMOUNT.match(needle):
         amount = needle.lstrip("$")
         return sorted({m.group(0).lstrip("$") for m in _AMOUNT_IN_TEXT.finditer(text)} - {amount})
