@@ -635,7 +635,8 @@ def fake_unsloth(calls: list) -> SimpleNamespace:
         calls.append(("get_peft_model", {"r": r, "lora_alpha": lora_alpha, "target_modules": target_modules,
                                          "bias": bias, "random_state": random_state, **kw}))
         return get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                                                target_modules=target_modules, bias=bias))
+                                                target_modules=target_modules, bias=bias,
+                                                layers_to_transform=kw.get("layers_to_transform")))
 
     return SimpleNamespace(FastLanguageModel=SimpleNamespace(from_pretrained=from_pretrained, get_peft_model=peft))
 
@@ -1096,3 +1097,58 @@ def test_a_student_distilled_from_a_trained_teacher_learns_its_choice(tiny_model
     assert (tmp_path / "teacher" / "adapter_model.safetensors").read_bytes() == before
     assert all(isinstance(r["distill_kl"], float) and r["trained_tokens"] > 0 for r in rows)
     assert teacher_rate >= 0.75 and sum(rate[-3:]) / 3 >= sum(rate[:2]) / 2 + 0.25, rate
+
+
+# --- the train stage ----------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::trace_lib.config.ProfileOverride")
+def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metrics_only(tmp_path, monkeypatch):
+    """`reports/metrics/train.json`'s `timing` gives every trained adapter (capability adapters and baselines) its
+    wall seconds over the rollouts it spent; data/ holds no timing. The trainings are stand-ins that write what
+    `train_adapter_mixture` writes."""
+    from trace_lib.config import params_from_dict
+    from trace_lib.io import read_json, write_json
+    from trace_lib.records import AdapterManifest
+    from trace_lib.stages import train as stage
+    from trace_lib.training.trainer import planned_rollouts
+
+    params = params_from_dict({"train": {"groups": 1, "group_size": 2, "iterations": 2, "baselines": ["grpo_target"],
+                                         "distill": {"iterations": 0}, "lockstep": False}})
+    seconds = {"cap": [3.0, 4.5], "grpo_target": [2.0, 2.5, 1.0, 1.5, 3.0]}
+
+    class Box:  # the sandbox the capability's environment would be served by
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_train(model_dir, sources, cfg, out_dir, *, name, timing_path, **kw):
+        out_dir.mkdir(parents=True)
+        (out_dir / "train_log.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n')
+        times = seconds[name]
+        write_json(timing_path, {"iterations": [{"iteration": i + 1, "seconds": t} for i, t in enumerate(times)],
+                                 "total_seconds": sum(times), "seconds_per_iteration": sum(times) / len(times)})
+        return AdapterManifest(capability_id=name, path=str(out_dir), base_model="tiny", env_sha256="", backend="trl",
+                               rollouts_used=planned_rollouts(cfg), iterations=len(times))
+
+    monkeypatch.setattr(stage, "valid_envs", lambda root: [SimpleNamespace(capability_id="cap", path="envs/cap",
+                                                                           sha256="0")])
+    monkeypatch.setattr(stage, "SandboxProcess", Box)
+    monkeypatch.setattr(stage, "trace_budget", lambda root, names, split: {"total": 6 + 4 * len(names)})
+    monkeypatch.setattr(stage, "_target_source", lambda params, root: None)
+    monkeypatch.setattr(stage, "train_adapter_mixture", fake_train)
+    metrics = stage.run_train(params, tmp_path)
+
+    assert metrics == read_json(tmp_path / "reports/metrics/train.json")
+    rollouts = {name: row["rollouts"] for name, row in metrics["adapters"].items()}
+    assert rollouts == {"cap": 4, "grpo_target": 10}  # the baseline at TRACE's budget (6 + 4)
+    for name, row in metrics["timing"].items():
+        assert row["total_seconds"] == sum(seconds[name])
+        assert row["seconds_per_rollout"] == row["total_seconds"] / rollouts[name]
+    assert metrics["timing"]["cap"]["seconds_per_rollout"] == 7.5 / 4
+    data = [p.read_text() for p in (tmp_path / "data").rglob("*") if p.is_file() and "logs" not in p.parts]
+    assert data and not any("seconds" in text for text in data)  # wall times: metrics and data/logs only
+    assert stage.per_rollout({"total_seconds": 5.0}, 0)["seconds_per_rollout"] is None  # nothing spent

@@ -338,6 +338,9 @@ class TrainConfig(Section):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora_layers: int | None = Field(None, ge=1)
+    """LoRA on the top k decoder layers only (PEFT's `layers_to_transform`: the last k layer indices); the
+    saved adapter then holds weights for those layers alone. None: every layer."""
     learning_rate: float = Field(1e-5, gt=0)
     iterations: int = Field(2, ge=1)
     """GRPO iterations (optimizer steps); each samples `groups` seeds x `group_size` rollouts."""

@@ -142,8 +142,22 @@ def cat_adapter(folders: Mapping[str, Path], weights: Mapping[str, float]
         [c["target_modules"]] if isinstance(c["target_modules"], str) else c["target_modules"])})
     config = {**first, "r": rank, "lora_alpha": rank, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {},
               "target_modules": targets[0] if len(targets) == 1 and isinstance(first["target_modules"], str)
-              else targets, "inference_mode": True}
+              else targets, "inference_mode": True, **_cat_layers([c for c, _ in read.values()])}
     return config, tensors
+
+
+def _cat_layers(configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `layers_to_transform` and `layers_pattern` of the concatenation: None when any adapter covers every
+    layer (`train.lora_layers` unset), else the union of the layers they cover, so that a loader does not drop the
+    modules of an adapter whose layers the first one's config leaves out."""
+    layers = [c.get("layers_to_transform") for c in configs]
+    if any(v is None for v in layers):
+        return {"layers_to_transform": None, "layers_pattern": None}
+    union = sorted({i for v in layers for i in ([v] if isinstance(v, int) else v)})
+    patterns = {json.dumps(c.get("layers_pattern")) for c in configs}
+    if len(patterns) > 1:
+        raise ValueError(f"the adapters name their layers differently (layers_pattern {sorted(patterns)})")
+    return {"layers_to_transform": union, "layers_pattern": configs[0].get("layers_pattern")}
 
 
 def adapter_digest(folders: Mapping[str, Path], weights: Mapping[str, float]) -> str:

@@ -18,7 +18,8 @@ band-check ledger (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
                                          each adapter's rollout ledger
     reports/train/<name>.csv             each adapter's curves under TRL's metric names (dvc plots)
     reports/metrics/train.json           backend, rollouts / iterations / final reward per adapter,
-                                         TRACE's budget, skipped baselines, wall times (`timing`)
+                                         TRACE's budget, skipped baselines, wall times (`timing`: each
+                                         adapter's seconds per iteration and per rollout)
     data/logs/train/[_baselines/]<name>.timing.json
                                          each adapter's seconds per iteration (no DVC output: timings
                                          stay out of cached artifacts)
@@ -224,6 +225,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     if rank > 0:  # process 0 writes the stage's outputs
         return {}
     write_jsonl(paths.adapter_manifests, manifests)
+    rollouts = {m.capability_id: m.rollouts_used for m in manifests}
     write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths.train_logs)
     metrics = {
         "backend": resolve_train_backend(cfg.backend),
@@ -232,11 +234,18 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         "trace_budget": budget, "baselines_skipped": skipped,
         "note": "no validated environments: no adapters trained" if not envs else "",
         "numerics": numerics(),
-        "timing": {name: read_timing(path) for name, path in timing.items()},
+        "timing": {name: per_rollout(read_timing(path), rollouts.get(name)) for name, path in timing.items()},
     }
     write_json(paths.metrics("train"), metrics)
     shutil.rmtree(paths.checkpoints, ignore_errors=True)  # every adapter is written: nothing to resume
     return metrics
+
+
+def per_rollout(timing: dict[str, Any], rollouts: int | None) -> dict[str, Any]:
+    """An adapter's timing (`read_timing`) with `seconds_per_rollout`: its training's wall seconds (`total_seconds`)
+    over the rollouts it spent (None without rollouts)."""
+    seconds = timing.get("total_seconds")
+    return {**timing, "seconds_per_rollout": seconds / rollouts if rollouts and seconds is not None else None}
 
 
 def launch_train(params: Params, root: Path, progress: bool = False) -> dict[str, Any]:

@@ -127,7 +127,8 @@ def resolve_train_backend(name: str) -> str:
 
 
 def lora_config(cfg: TrainConfig, model: Any):
-    """PEFT LoraConfig from the train section, targeting only the listed modules the model has."""
+    """PEFT LoraConfig from the train section, targeting only the listed modules the model has, in the top
+    `lora_layers` decoder layers (all of them when None)."""
     from peft import LoraConfig
 
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -135,7 +136,22 @@ def lora_config(cfg: TrainConfig, model: Any):
     if not targets:
         raise ValueError(f"train.target_modules {cfg.target_modules} match no module of the model")
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                      target_modules=targets, layers_to_transform=top_layers(cfg, model), bias="none",
+                      task_type="CAUSAL_LM")
+
+
+def top_layers(cfg: TrainConfig, model: Any) -> list[int] | None:
+    """The decoder layer indices `train.lora_layers` puts LoRA on (the last k of the model's), or None for all."""
+    k = cfg.lora_layers
+    if k is None:
+        return None
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    if not n:
+        raise ValueError("train.lora_layers needs the model's layer count (config.num_hidden_layers), which "
+                         "this model's config does not give")
+    if k > n:
+        raise ValueError(f"train.lora_layers is {k}, but the model has only {n} decoder layers")
+    return list(range(n - k, n))
 
 
 def stable_target_modules(model: Any) -> None:
@@ -176,7 +192,8 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, t
         model = FastLanguageModel.get_peft_model(
             model, r=lcfg.r, lora_alpha=lcfg.lora_alpha, lora_dropout=lcfg.lora_dropout,
             target_modules=sorted(lcfg.target_modules), bias="none", random_state=seed,
-            use_gradient_checkpointing=False if cfg.shared_prompt else "unsloth")
+            use_gradient_checkpointing=False if cfg.shared_prompt else "unsloth",
+            **({"layers_to_transform": lcfg.layers_to_transform} if lcfg.layers_to_transform is not None else {}))
         stable_target_modules(model)
         tool_format = use_tool_template(tokenizer, model_dir, tool_format)
         if tokenizer.pad_token_id is None:
