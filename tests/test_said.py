@@ -29,6 +29,8 @@ CASES = [
     ("536.65", "Order #W4817420 (zip 78234) cost 536.65 in total.", True),
     ("1234.5", "That is $1,234.50, paid in full.", True),
     ("Porto", "It ships to Porto, 12.50 km away.", True),
+    ("delivered", "The order is not delivered.", False),
+    ("delivered", "It isn't delivered yet... sorry, it is delivered.", True),
     ("263958857111", "Order #W4794911 has tracking number 263958857111.", True),
     ("263958857111", "You have 263958857111 and 9534205511.", False),
     ("263958857111", "Tracking 263958857111, shipped to zip 78234.", True),

@@ -12,7 +12,7 @@ only whole tokens: "100" does not match "1000", "delivered" does not match "unde
 itself only drops commas. A message that names the required value beside another candidate of the same
 kind (`rival_values`: two order statuses, two amounts of money, two long numbers such as tracking numbers
 and item ids) does not count as saying it, so text that
-hedges over several values earns nothing.
+hedges over several values earns nothing; nor does a status said only in the negative ("not delivered").
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def output_found(required: str, texts: Iterable[str]) -> bool:
     if not needle:
         return True
     pattern = _token(needle)
+    if needle in ORDER_STATUSES:  # "it is not delivered" does not say it is
+        pattern = re.compile(r"(?<!not )(?<!n't )(?<!never )" + pattern.pattern)
     for text in map(normalize_text, texts):
         if pattern.search(text) and not rival_values(needle, text):
             return True
