@@ -94,3 +94,12 @@ def test_rival_values_by_kind():
         "cancelled"]
     assert rival_values("12.5", normalize_text("$12.50 or $13 or 12.50")) == ["13"]
     assert rival_values("porto", "porto or lisbon") == []
+
+
+def test_the_tasks_other_required_values_are_no_rivals():
+    text = ["You paid 746.59 in total; the Garden Hose cost 102.90."]
+    assert not output_found("746.59", text)
+    assert output_found("746.59", text, ["746.59", "102.90"]) and output_found("102.9", text, ["746.59", "102.90"])
+    assert not output_found("746.59", ["You paid 746.59; the hose cost 102.90, or 5.00."], ["746.59", "102.90"])
+    msgs = [Message(role="assistant", content="Order #W1 is delivered and order #W2 is pending.")]
+    assert said_to_user(msgs, "delivered", ["delivered", "pending"]) and not said_to_user(msgs, "delivered")

@@ -28,6 +28,7 @@ from trace_lib.synth.templates import (
     bind_template,
     render_template_module,
     template_capabilities,
+    template_kinds,
 )
 
 TARGETS = [{"name": "retail", "tools": "core"}, {"name": "tau2-retail"}]
@@ -296,6 +297,48 @@ def test_communicate_result_asks_for_totals_and_refuses_cancellations(bound):
                   "arguments": {"order_id": lookup["arguments"]["order_id"], "reason": "no longer needed"}}
         score, info = play_rubric(b, t, [b.solve(t)[0], cancel, {"say": f"Your order is {status}."}])
         assert score == 0.0 and info["gates"] == {"no_write": False}
+
+
+def _family_tasks(*families: str, n: int = 3) -> list[dict]:
+    from trace_lib.envs.families import make_family_tasks
+    from trace_lib.envs.retail import load_base_db
+
+    return [t.model_dump(mode="json") for f in families for t in make_family_tasks(load_base_db(), f, "train", n)]
+
+
+def test_evidence_kinds_classify_what_the_failed_tasks_asked():
+    target = TARGETS[0]
+    tasks = _family_tasks("order_total", "order_tracking", "refuse_cancel", "gift_card_balance") + _family_tasks(
+        "order_total", n=2)
+    assert template_kinds("communicate_result", target, tasks) == {"total": 5, "tracking": 3, "refusal": 3}
+    assert template_kinds("tool_call_precision", target, tasks) == {}  # draws no kinds
+    assert template_kinds("communicate_result", target, []) == {}
+
+
+@pytest.mark.parametrize("d", list(LEVELS))
+def test_weighted_kinds_draw_only_the_evidence_kinds_and_stay_solvable(d):
+    b = bind_template("communicate_result", TARGETS[0], {"total": 3, "refusal": 1})
+    tasks = [b.generate_task(seed, d) for seed in range(24)]
+    refusals = [t for t in tasks if "cancel" in t["user"]["reason_for_call"]]
+    totals = [t for t in tasks if t not in refusals]
+    assert refusals and len(totals) > len(refusals)
+    assert all(t["user"]["reason_for_call"].count("pay in total") == len(t["gold_actions"]) for t in totals)
+    assert all(len(t["gold_actions"]) == d + 1 for t in totals)
+    for t in tasks:
+        assert play(b, t, b.solve(t)) == 1.0
+
+
+def test_kinds_render_into_the_module_and_only_where_the_template_draws_them():
+    target = TARGETS[0]
+    src = render_template_module("communicate_result", target, 0, {"total": 2, "tracking": 1})
+    module: dict = {}
+    exec(compile(src, "env.py", "exec"), module)
+    assert module["KINDS"] == {"total": 2, "tracking": 1}
+    assert module["generate_task"](3, 0) == bind_template("communicate_result", target, module["KINDS"]).generate_task(3, 0)
+    assert render_template_module("communicate_result", target, 0, {}) == render_template_module(
+        "communicate_result", target, 0)
+    with pytest.raises(ValueError, match="draws no task kinds"):
+        render_template_module("tool_call_precision", target, 0, {"total": 1})
 
 
 # --- rendering ----------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ __all__ = ["TargetWorld", "ToolError", "gold_db_hash", "gold_world", "phone_call
            "same_db", "said", "target_db", "target_tool_kinds", "target_tool_schemas", "template", "tool_calls"]
 
 
-def template(capability: str, target: dict[str, Any]) -> templates.BoundTemplate:
+def template(capability: str, target: dict[str, Any], kinds: dict[str, int] | None = None) -> templates.BoundTemplate:
     """The offline template synthesizer's environment for `capability` on `target`: an object whose
-    methods are the contract's functions (`trace_lib.synth.templates.BoundTemplate`)."""
-    return templates.bind_template(capability, target)
+    methods are the contract's functions (`trace_lib.synth.templates.BoundTemplate`); `kinds` weights the
+    task kinds it draws (task kind -> weight)."""
+    return templates.bind_template(capability, target, kinds)

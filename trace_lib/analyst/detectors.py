@@ -289,7 +289,7 @@ def communicate_result(traj: Trajectory, kinds: dict[str, str], task: Task | Non
         return "NA", "needs the task's required outputs"
     if not task.required_outputs:
         return "NA", "the task requires no output to the user"
-    missing = [r for r in task.required_outputs if not said_to_user(traj.messages, r)]
+    missing = [r for r in task.required_outputs if not said_to_user(traj.messages, r, task.required_outputs)]
     if missing:
         return "LACKING", f"never told the user {missing[0]!r} ({len(missing)} of {len(task.required_outputs)} missing)"
     return "PRESENT", f"told the user all {len(task.required_outputs)} required output(s)"

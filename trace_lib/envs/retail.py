@@ -226,7 +226,7 @@ class RetailEnv(Environment):
         gold_hash, gold_error = gold_db_hash(st.task)
         db_match = self._session.db_hash() == gold_hash
         texts = self.agent_texts()
-        found = [r for r in st.task.required_outputs if output_found(r, texts)]
+        found = [r for r in st.task.required_outputs if output_found(r, texts, st.task.required_outputs)]
         missing = [r for r in st.task.required_outputs if r not in found]
         unconfirmed = sum(1 for w in self._writes if not w["confirmed"])
         policy_ok = unconfirmed == 0 or not self.require_confirmation

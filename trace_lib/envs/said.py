@@ -66,17 +66,18 @@ def rival_values(needle: str, text: str) -> list[str]:
     return []
 
 
-def output_found(required: str, texts: Iterable[str]) -> bool:
+def output_found(required: str, texts: Iterable[str], also_required: Iterable[str] = ()) -> bool:
     """Whether `required` appears as a whole token sequence in one of `texts` that names no rival value
-    (rules above)."""
+    (rules above); the task's other required outputs (`also_required`) are never rivals."""
     needle = normalize_text(required.strip())
+    allowed = {normalize_text(a.strip()).lstrip("$") for a in also_required}
     if not needle:
         return True
     pattern = _token(needle)
     if needle in ORDER_STATUSES:  # "it is not delivered" does not say it is
         pattern = re.compile(r"(?<!not )(?<!n't )(?<!never )" + pattern.pattern)
     for text in map(normalize_text, texts):
-        if pattern.search(text) and not rival_values(needle, text):
+        if pattern.search(text) and not set(rival_values(needle, text)) - allowed:
             return True
     return False
 
@@ -97,6 +98,7 @@ def texts_said(messages: Iterable[Any]) -> list[str]:
     return out
 
 
-def said_to_user(messages: Iterable[Any], required: str) -> bool:
-    """Whether the agent told the user `required` anywhere in `messages` (rules above)."""
-    return output_found(required, texts_said(messages))
+def said_to_user(messages: Iterable[Any], required: str, also_required: Iterable[str] = ()) -> bool:
+    """Whether the agent told the user `required` anywhere in `messages` (rules above; `also_required`: the
+    task's other required outputs, which are no rivals)."""
+    return output_found(required, texts_said(messages), also_required)

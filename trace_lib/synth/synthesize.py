@@ -39,7 +39,7 @@ from trace_lib.io import atomic_write_text, read_jsonl, write_json
 from trace_lib.paths import Paths
 from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
 from trace_lib.synth.sandbox import ALLOWED_IMPORTS, SandboxProcess, limits_from_config
-from trace_lib.synth.templates import render_template_module, template_capabilities
+from trace_lib.synth.templates import render_template_module, template_capabilities, template_kinds
 from trace_lib.synth.validate import validate_env
 
 TEMPLATE_TARGETS = ("retail", "tau2-retail", "phone")
@@ -112,6 +112,10 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
                                     f"no template for {cap.id!r} (templates: {', '.join(have)}); "
                                     "use an LLM synthesizer (synthesize.backend)")
         max_attempts = 1
+        behind = set(cap.evidence)
+        kinds = template_kinds(cap.id, target, [t.model_dump(mode="json") for t in
+                                                load_tasks(params.env, params.rollout.split, root) if t.id in
+                                                {e.task_id for e in evidence if e.id in behind}])
     else:
         if client is None:
             raise ValueError(f"synthesize backend {backend!r} needs an LLM client")
@@ -125,7 +129,7 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
     report: dict[str, Any] = {}
     for attempt in range(1, max_attempts + 1):
         if backend == "template":
-            source = render_template_module(cap.id, target, cfg.difficulty)
+            source = render_template_module(cap.id, target, cfg.difficulty, kinds)
         else:
             try:
                 reply = client.complete(system, messages, max_tokens=cfg.max_tokens,

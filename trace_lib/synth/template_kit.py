@@ -64,6 +64,8 @@ class Template:
     check: Callable[[Episode, dict[str, Any], Checks], dict[str, Any]]
     """(episode, task, shared checks) -> the rubric (`trace_lib.synth.rubric`): the capability's
     sub-steps and what must not go wrong; episodes cut off by a limit never reach it (they score 0)."""
+    weighted: bool = False
+    """Whether `generate` takes `kinds` (task kind -> weight, drawn from the evidence)."""
 
 
 
@@ -198,8 +200,8 @@ class Episode:
     def invalid(self) -> int:
         return sum(1 for m in self.messages if m.get("role") == "assistant" and m.get("invalid"))
 
-    def said(self, needle: str) -> bool:
-        return said(self.trajectory, needle)
+    def said(self, needle: str, also_required: list[str] | tuple[str, ...] = ()) -> bool:
+        return said(self.trajectory, needle, also_required)
 
     def did_share(self, golds: list[dict[str, Any]]) -> float:
         """The fraction of `golds` made as successful calls (see `did`)."""
@@ -257,7 +259,8 @@ class Checks:
 
     def outputs_said(self) -> float:
         """The fraction of the required outputs said to the user."""
-        return share([self.ep.said(r) for r in self.task["required_outputs"]])
+        required = self.task["required_outputs"]
+        return share([self.ep.said(r, required) for r in required])
 
     def gold_writes(self) -> bool:
         """Whether the gold actions change the database (else matching it is what doing nothing does)."""

@@ -69,10 +69,13 @@ def _plain(task: Any) -> dict[str, Any]:
 class BoundTemplate:
     """A template bound to a target: its methods are the synthesized-module contract's functions."""
 
-    def __init__(self, template: Template, target: dict[str, Any]) -> None:
+    def __init__(self, template: Template, target: dict[str, Any], task_kinds: dict[str, int] | None = None) -> None:
         self.kinds = target_tool_kinds(target)  # also fails early, naming the supported targets
+        if task_kinds and not template.weighted:
+            raise ValueError(f"the {template.capability} template draws no task kinds (given {sorted(task_kinds)})")
         self.template = template
         self.target = dict(target)
+        self.task_kinds = dict(task_kinds or {})
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return target_tool_schemas(self.target)
@@ -81,8 +84,9 @@ class BoundTemplate:
         if not DIFFICULTY["min"] <= difficulty <= DIFFICULTY["max"]:
             raise ValueError(f"difficulty must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}], got {difficulty}")
         cap = self.template.capability
+        extra = {"kinds": self.task_kinds} if self.task_kinds else {}
         fields = self.template.generate(pool(self.target["name"]), random.Random(f"{cap}:{seed}:{difficulty}"),
-                                        difficulty)
+                                        difficulty, **extra)
         plan = fields.pop("plan")
         user = {"known_info": {}, "unknown_info": [], "task_instructions": "", "confirm": True, **fields.pop("user")}
         task = {"instruction": fields.pop("instruction"), "user": user,
@@ -109,21 +113,36 @@ class BoundTemplate:
         return copy.deepcopy(_plain(task)["meta"]["reference"])
 
 
-def bind_template(capability: str, target: dict[str, Any]) -> BoundTemplate | templates_phone.BoundPhoneTemplate:
-    """The template for `capability` on `target` (what `synth_sdk.template` returns)."""
+def bind_template(capability: str, target: dict[str, Any],
+                  kinds: dict[str, int] | None = None) -> BoundTemplate | templates_phone.BoundPhoneTemplate:
+    """The template for `capability` on `target` (what `synth_sdk.template` returns); `kinds` weights the task
+    kinds of a template that draws them (`Template.weighted`)."""
     if target.get("name") == "phone":
+        if kinds:
+            raise ValueError("the phone templates draw no task kinds")
         return templates_phone.BoundPhoneTemplate(capability, target)
-    return BoundTemplate(get_template(capability), target)
+    return BoundTemplate(get_template(capability), target, kinds)
 
 
-def render_template_module(capability: str, target: dict[str, Any], difficulty_default: int = 1) -> str:
-    """Source text of a synthesized module binding the template; same inputs give the same bytes."""
+def template_kinds(capability: str, target: dict[str, Any], tasks: list[dict[str, Any]]) -> dict[str, int]:
+    """Task kind -> weight for `capability`'s template from the failed target tasks behind it (its evidence):
+    {} where the template draws no kinds or the target is not the retail database."""
+    if target.get("name") == "phone" or not get_template(capability).weighted:
+        return {}
+    return templates_read.evidence_kinds(pool(target["name"]).db, tasks)
+
+
+def render_template_module(capability: str, target: dict[str, Any], difficulty_default: int = 1,
+                           kinds: dict[str, int] | None = None) -> str:
+    """Source text of a synthesized module binding the template (with `kinds`: drawing its tasks' kinds with
+    those weights); same inputs give the same bytes."""
     if target.get("name") == "phone":
         templates_phone.BoundPhoneTemplate(capability, target)  # fails early, naming the phone's capabilities
         episodes, reward, difficulty = templates_phone.phone_module_doc(capability)
     else:
         tpl = get_template(capability)
         episodes, reward, difficulty = tpl.episodes, tpl.reward, tpl.difficulty
+        BoundTemplate(tpl, target, kinds)  # fails early where the template draws no kinds
     target_tool_kinds(target)
     if not DIFFICULTY["min"] <= difficulty_default <= DIFFICULTY["max"]:
         raise ValueError(f"difficulty_default must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}]")
@@ -139,6 +158,8 @@ def render_template_module(capability: str, target: dict[str, Any], difficulty_d
         para("Reward", reward + " Partial credit: the mean of the rubric's steps when every gate holds "
              "(trace_lib.synth.rubric). Episodes cut off by the step or error limit score 0."),
         para("Difficulty", difficulty),
+        *([para("Kinds", "drawn with the weights in KINDS: how often the failed target tasks behind this "
+                "capability asked each kind.")] if kinds else []),
         textwrap.fill("Rendered by trace_lib.synth.templates.render_template_module (paper §3.2). The "
                       "generator, the target's tools and the checker live in trace_lib.synth.templates; "
                       "this module reaches them through trace_lib.synth_sdk.template, the only trace "
@@ -146,6 +167,8 @@ def render_template_module(capability: str, target: dict[str, Any], difficulty_d
     ])
     target_src = "{" + ", ".join(f"{json.dumps(k)}: {json.dumps(target[k])}" for k in sorted(target)) + "}"
     knob_src = "{" + ", ".join(f'"{k}": {knob[k]}' for k in ("default", "min", "max")) + "}"
+    kinds_src = ("\nKINDS = {" + ", ".join(f"{json.dumps(k)}: {int(v)}" for k, v in kinds.items()) + "}") if kinds else ""
+    bind = "template(CAPABILITY, TARGET, KINDS)" if kinds else "template(CAPABILITY, TARGET)"
     return f'''"""{doc}
 """
 
@@ -153,9 +176,9 @@ from trace_lib.synth_sdk import target_tool_schemas, template
 
 CAPABILITY = {json.dumps(capability)}
 TARGET = {target_src}
-DIFFICULTY = {knob_src}
+DIFFICULTY = {knob_src}{kinds_src}
 
-_TEMPLATE = template(CAPABILITY, TARGET)
+_TEMPLATE = {bind}
 
 
 def tool_schemas():

@@ -206,7 +206,54 @@ def _refusal_task(pool: Pool, rng: random.Random) -> dict[str, Any]:
     )
 
 
-def _communicate_task(pool: Pool, rng: random.Random, d: int) -> dict[str, Any]:
+FACT_KINDS = ("status", "items", "city", "total", "tracking", "refusal")
+"""What a communicate_result task asks: one of an order's facts, or (refusal) to cancel an order that is no longer
+pending, answered with its status."""
+
+
+def _fact_of_kind(kind: str):
+    """`facts_of` for `_fact_task` that offers only the order's fact of `kind` (none where the order lacks it)."""
+    def facts_of(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
+        order = db.orders[oid]
+        if kind == "tracking":
+            return [f for f in _nested_facts(db, oid, None) if f[0].startswith("what is the tracking number")]
+        if kind == "total":
+            return [_total_paid(order, oid)] if len(order.payment_history) == 1 else []
+        index = {"status": 0, "items": 1, "city": 2}[kind]
+        return [_plain_facts(db, oid, None)[index]]
+    return facts_of
+
+
+def evidence_kinds(db, tasks: list[dict[str, Any]]) -> dict[str, int]:
+    """How often each of `FACT_KINDS` is what a failed target task asked for: each required output of a task about
+    an order (`meta.entity`) classified by the field of the order it equals; a status asked in a cancellation
+    request is a refusal. Kinds in `FACT_KINDS` order; outputs that match no field are not counted."""
+    counts = dict.fromkeys(FACT_KINDS, 0)
+    for task in tasks:
+        order = db.orders.get(task.get("meta", {}).get("entity", ""))
+        if order is None:
+            continue
+        cancel = "cancel" in task["user"]["reason_for_call"].lower()
+        tracking = [t for f in order.fulfillments for t in f.tracking_id]
+        paid = [money(p.amount) for p in order.payment_history]
+        for value in task.get("required_outputs", []):
+            kind = ("refusal" if cancel else "status") if value == order.status else (
+                "total" if value in paid else "tracking" if value in tracking else
+                "city" if value == order.address.city else "items" if value in {i.name for i in order.items} else None)
+            if kind is not None:
+                counts[kind] += 1
+    return {k: n for k, n in counts.items() if n}
+
+
+def _communicate_task(pool: Pool, rng: random.Random, d: int, kinds: dict[str, int] | None = None) -> dict[str, Any]:
+    if kinds:  # the failures' own kinds, as often as they failed; more facts per task at higher difficulty
+        kind = rng.choices(sorted(kinds), weights=[kinds[k] for k in sorted(kinds)])[0]
+        if kind == "refusal":
+            return _refusal_task(pool, rng)
+        statuses = ("processed", "delivered") if kind == "tracking" else ("pending", "processed", "delivered",
+                                                                          "cancelled")
+        return _fact_task(pool, rng, statuses, _fact_of_kind(kind), [[1], [1, 1], [1, 1, 1], [1, 1, 1, 1]][d],
+                          f"the {kind} asked for")
     if d == 0 and rng.random() < REFUSAL_SHARE:
         return _refusal_task(pool, rng)
     return _fact_task(pool, rng, ("pending", "processed", "delivered", "cancelled"), _plain_facts,
@@ -242,6 +289,7 @@ TEMPLATES = (
              "steps orders_read (share of the orders read) and facts_said (share of the facts asked for said, each "
              "item name of a list); gate no_write (a cancellation attempted fails the episode).",
              "0: one fact, or (a third of tasks) a refused cancellation; 1: two facts; 2: three facts over two "
-             "orders; 3: four facts over two orders.",
-             _communicate_task, _facts_check),
+             "orders; 3: four facts over two orders. With kinds from the evidence: each task one kind, drawn as "
+             "often as the failures asked it, over 1-4 orders.",
+             _communicate_task, _facts_check, weighted=True),
 )

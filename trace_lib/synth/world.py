@@ -126,9 +126,10 @@ def same_db(a: TargetWorld, b: TargetWorld) -> bool:
     return all(getattr(a.db, table)[key] == getattr(b.db, table)[key] for table, key in rows)
 
 
-def said(trajectory: dict[str, Any], needle: str) -> bool:
-    """Whether the agent told the user `needle` (`trace_lib.envs.said`, the reward's own matcher)."""
-    return said_to_user(trajectory.get("messages", []), needle)
+def said(trajectory: dict[str, Any], needle: str, also_required: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether the agent told the user `needle` (`trace_lib.envs.said`, the reward's own matcher; `also_required`:
+    the task's other required values, which may stand beside it)."""
+    return said_to_user(trajectory.get("messages", []), needle, also_required)
 
 
 def tool_calls(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
