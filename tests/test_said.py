@@ -92,8 +92,9 @@ def test_a_hedge_in_one_message_does_not_spoil_a_clear_answer_in_another():
 def test_rival_values_by_kind():
     assert rival_values("delivered", normalize_text("Delivered, not cancelled; pending orders can be cancelled")) == [
         "cancelled"]
-    assert rival_values("12.5", normalize_text("$12.50 or $13 or 12.50")) == ["13"]
+    assert rival_values("12.5", "$12.50 or $13 or 12.50 or 7.00") == ["13", "7"]
     assert rival_values("porto", "porto or lisbon") == []
+    assert output_found("12.5", ["12.50 or 13.00"], strict=False) and not output_found("12.5", ["12.50 or 13.00"])
 
 
 def test_the_tasks_other_required_values_are_no_rivals():

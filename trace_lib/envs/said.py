@@ -53,31 +53,34 @@ def _token(pattern: str) -> re.Pattern[str]:
 
 
 def rival_values(needle: str, text: str) -> list[str]:
-    """Other candidates of `needle`'s kind named in `text` (both normalised): other order statuses where
+    """Other candidates of `needle`'s kind (normalised) named in `text` (lower-cased, numbers as written, so "5.00"
+    is still money; the values returned are normalised): other order statuses where
     `needle` is one, other numbers of six digits or more where `needle` is one, else other amounts of money where
     `needle` is a number; [] for any other kind of value."""
     if needle in ORDER_STATUSES:
         return sorted({m.group(1) for m in _STATUS.finditer(text)} - {needle})
     if _LONG_NUMBER.match(needle):
-        return sorted({m.group(0) for m in _LONG_NUMBER_IN_TEXT.finditer(text)} - {needle})
+        return sorted({m.group(0) for m in _LONG_NUMBER_IN_TEXT.finditer(text.replace(",", ""))} - {needle})
     if _AMOUNT.match(needle):
         amount = needle.lstrip("$")
-        return sorted({m.group(0).lstrip("$") for m in _AMOUNT_IN_TEXT.finditer(text)} - {amount})
+        found = {normalize_text(m.group(0)).lstrip("$") for m in _AMOUNT_IN_TEXT.finditer(text.replace(",", ""))}
+        return sorted(found - {amount})
     return []
 
 
-def output_found(required: str, texts: Iterable[str], also_required: Iterable[str] = ()) -> bool:
+def output_found(required: str, texts: Iterable[str], also_required: Iterable[str] = (), strict: bool = True) -> bool:
     """Whether `required` appears as a whole token sequence in one of `texts` that names no rival value
-    (rules above); the task's other required outputs (`also_required`) are never rivals."""
+    (rules above); the task's other required outputs (`also_required`) are never rivals. `strict=False` skips the
+    rival and negation rules (the phone's facts, where an answer restates the question's own numbers)."""
     needle = normalize_text(required.strip())
     allowed = {normalize_text(a.strip()).lstrip("$") for a in also_required}
     if not needle:
         return True
     pattern = _token(needle)
-    if needle in ORDER_STATUSES:  # "it is not delivered" does not say it is
+    if strict and needle in ORDER_STATUSES:  # "it is not delivered" does not say it is
         pattern = re.compile(r"(?<!not )(?<!n't )(?<!never )" + pattern.pattern)
-    for text in map(normalize_text, texts):
-        if pattern.search(text) and not set(rival_values(needle, text)) - allowed:
+    for text in texts:
+        if pattern.search(normalize_text(text)) and not (strict and set(rival_values(needle, text.lower())) - allowed):
             return True
     return False
 

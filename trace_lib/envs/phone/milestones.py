@@ -147,7 +147,7 @@ def constraint_similarity(c: Constraint, snap: Snapshot, start: dict[str, Any], 
     if c.kind == "said":
         if snap.said is None:
             return 0.0
-        return sum(output_found(f, [snap.said], c.facts) for f in c.facts) / len(c.facts) if c.facts else 1.0
+        return sum(output_found(f, [snap.said], strict=False) for f in c.facts) / len(c.facts) if c.facts else 1.0
     assert c.table is not None
     now, before = _rows(snap.tables, c.table), _rows(start, c.table)
     if c.kind == "added":
