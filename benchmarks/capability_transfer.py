@@ -14,6 +14,7 @@ whatever device `--profile` selects (cpu: the CPU default; gpu: CUDA).
     .venv/bin/python benchmarks/capability_transfer.py --root /tmp/ct --capability structured_data_reasoning \\
         --iterations 10 --hint-fraction 0.5 --start-late 0.5 --partial-credit 0.5 --eval-every 5 \\
         --families order_status,order_total --target-n 8
+    (--kinds total=1,tracking=1 weights a template's task kinds; --set env.end_on_repeated_call=true sets any param)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import yaml
 from trace_lib.agent.model import resolve_model
 from trace_lib.agent.policy import load_policy
 from trace_lib.capabilities import CAPABILITIES
-from trace_lib.config import params_from_dict
+from trace_lib.config import apply_overrides, params_from_dict
 from trace_lib.envs import make_env, make_tasks
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, evaluate_policy
@@ -54,7 +55,12 @@ def _params(args: argparse.Namespace) -> dict:
             "model": {"out_dir": str(Path(args.root) / "data/model")}}
     if args.difficulty is not None:
         data["synthesize"] = {"difficulty": args.difficulty}
-    return data
+    return apply_overrides(data, dict(_pair(kv, yaml.safe_load) for kv in args.set))
+
+
+def _pair(text: str, value) -> tuple[str, object]:
+    key, _, raw = text.partition("=")
+    return key.strip(), value(raw)
 
 
 def _successes(trajs, tasks) -> dict:
@@ -94,6 +100,9 @@ def main() -> None:
     ap.add_argument("--target-split", default="train")
     ap.add_argument("--families", default="", help="target families (default: all)")
     ap.add_argument("--out", default=None, help="where result.json goes (default: --root)")
+    ap.add_argument("--kinds", default="", help="task kinds and weights of a template that draws them, e.g. "
+                                                "total=1,tracking=1,refusal=1 (default: the template's own mix)")
+    ap.add_argument("--set", action="append", default=[], help="a params override, e.g. env.end_on_repeated_call=true")
     args = ap.parse_args()
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -105,7 +114,8 @@ def main() -> None:
                               tool_format=params.model.tool_format)
     spec = next(c for c in CAPABILITIES if c.id == args.capability)
     cap = Capability(id=spec.id, name=spec.name, description=spec.description, recognition=spec.recognition)
-    manifest = synthesize_env(cap, "template", params, root)
+    kinds = dict(_pair(kv, int) for kv in args.kinds.split(",") if kv) or None
+    manifest = synthesize_env(cap, "template", params, root, kinds=kinds)
     if not manifest.valid:
         raise SystemExit(f"{args.capability}: the template environment failed validation: {manifest.reason}")
     result: dict = {"capability": args.capability, "device_profile": args.profile,
@@ -113,7 +123,8 @@ def main() -> None:
                                                                            "learning_rate", "temperature",
                                                                            "hint_fraction", "start_late",
                                                                            "prompt_grad"}),
-                    "difficulty": params.synthesize.difficulty, "setup_seconds": round(time.perf_counter() - t0, 1)}
+                    "difficulty": params.synthesize.difficulty, "kinds": kinds, "overrides": args.set,
+                    "setup_seconds": round(time.perf_counter() - t0, 1)}
     out = root / "adapters"
     with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
         t0 = time.perf_counter()

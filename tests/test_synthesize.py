@@ -51,6 +51,27 @@ def test_template_stage_installs_valid_envs_and_records_the_rest(tmp_path):
         valid_envs(tmp_path)
 
 
+def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
+    """The failed target episodes behind communicate_result asked a total and a tracking number: its module draws
+    those kinds, by those weights; `kinds` given outright replaces what the evidence says."""
+    from trace_lib.envs import make_tasks
+    from trace_lib.records import Trajectory
+
+    params = params_from_dict({"analyst": {"backend": "rules"},
+                               "env": {"families": ["order_total", "order_tracking"], "tasks_per_family": 2}})
+    tasks = make_tasks(params.env, "train")
+    write_jsonl(tmp_path / "data/rollouts/tasks-train.jsonl", tasks)
+    evidence = [Trajectory(id=f"{t.id}#0", task_id=t.id, env="retail", family=t.family, split="train", policy_id="p",
+                           seed=0, messages=[], reward=0.0, success=False, termination="user_stop", tool_calls=0,
+                           invalid_actions=0, tool_errors=0, turns=0, prompt_tokens=0, completion_tokens=0)
+                for t in tasks[:3]]
+    cap = _cap("communicate_result").model_copy(update={"evidence": [e.id for e in evidence]})
+    manifest = synthesize_env(cap, "template", params, tmp_path, evidence=evidence)
+    assert manifest.valid and 'KINDS = {"total": 2, "tracking": 1}' in (tmp_path / manifest.path).read_text()
+    manifest = synthesize_env(cap, "template", params, tmp_path, evidence=evidence, kinds={"refusal": 1})
+    assert manifest.valid and 'KINDS = {"refusal": 1}' in (tmp_path / manifest.path).read_text()
+
+
 def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):
     params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "tau2-airline"}})
     manifest = synthesize_env(_cap("communicate_result"), "template", params, tmp_path)

@@ -93,8 +93,10 @@ def _sha256(text: str) -> str:
 
 def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = Path("."), *,
                    client: LLMClient | None = None, evidence: Sequence[Trajectory] = (),
-                   policy=None, ledger=None) -> SyntheticEnvManifest:
-    """Write, validate and (if valid) install one capability's environment under data/envs/<id>/."""
+                   policy=None, ledger=None, kinds: dict[str, int] | None = None) -> SyntheticEnvManifest:
+    """Write, validate and (if valid) install one capability's environment under data/envs/<id>/. The template
+    synthesizer weights its task kinds by the evidence's failed tasks (`templates.template_kinds`), or by `kinds`
+    where given."""
     out_dir = Paths(root).env_dir(cap.id)
     cfg = params.synthesize
     target = target_spec(params.env)
@@ -112,10 +114,10 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
                                     f"no template for {cap.id!r} (templates: {', '.join(have)}); "
                                     "use an LLM synthesizer (synthesize.backend)")
         max_attempts = 1
-        behind = set(cap.evidence)
-        kinds = template_kinds(cap.id, target, [t.model_dump(mode="json") for t in
-                                                load_tasks(params.env, params.rollout.split, root) if t.id in
-                                                {e.task_id for e in evidence if e.id in behind}])
+        if kinds is None:
+            behind = {e.task_id for e in evidence if e.id in set(cap.evidence)}
+            kinds = template_kinds(cap.id, target, [t.model_dump(mode="json") for t in
+                                                    load_tasks(params.env, params.rollout.split, root) if t.id in behind])
     else:
         if client is None:
             raise ValueError(f"synthesize backend {backend!r} needs an LLM client")
