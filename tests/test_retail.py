@@ -12,6 +12,7 @@ from trace_lib.envs.retail import (
     build_env,
     load_base_db,
     retail_tool_specs,
+    without_empty_fields,
 )
 from trace_lib.records import Message, Task, ToolCall
 
@@ -162,12 +163,28 @@ def test_failed_precondition_is_an_observation(env, tasks):
     assert obs.error and obs.content == "Error: Non-pending order cannot be cancelled"
 
 
-def test_tool_results_use_tau2_json(env, tasks):
+def test_tool_results_are_tau2_json_without_empty_fields(env, tasks):
     task = tasks["order_total"][0]
     env.reset(task)
     obs = env.step(call("get_order_details", order_id=task.meta["entity"])).observations[0]
-    order = load_base_db().orders[task.meta["entity"]]
-    assert obs.content == json.dumps(order.model_dump())
+    order = load_base_db().orders[task.meta["entity"]].model_dump()
+    assert json.loads(obs.content) == without_empty_fields(order)
+    assert order["cancel_reason"] is None and "cancel_reason" not in json.loads(obs.content)
+    assert "null" not in obs.content and len(obs.content) < len(json.dumps(order))
+
+
+def test_without_empty_fields_at_every_depth():
+    value = {"a": None, "b": [], "c": {}, "d": [{"e": None, "f": 0, "g": ""}], "h": {"i": {"j": None}}, "k": False}
+    assert without_empty_fields(value) == {"d": [{"f": 0, "g": ""}], "k": False}
+
+
+def test_synthesized_worlds_show_results_as_their_target_does():
+    from trace_lib.synth.world import TargetWorld
+
+    oid = "#W4817420"
+    built_in = TargetWorld({"name": "retail", "tools": "core"}).call("get_order_details", {"order_id": oid})
+    tau2 = TargetWorld({"name": "tau2-retail"}).call("get_order_details", {"order_id": oid})
+    assert "null" not in built_in and '"cancel_reason": null' in tau2
 
 
 def test_max_steps_scores_zero(tasks):

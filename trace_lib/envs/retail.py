@@ -18,7 +18,8 @@ Two deliberate departures, both documented in the reward info:
   whole tokens only: "$1,234.50" matches "1234.5", "100" does not match "1000"); τ²-bench only
   drops commas. The rules analyst uses the same matcher.
 
-Resets are cheap: the 2.8 MB database is loaded once per process; an episode gets shallow copies of
+Tool results leave out null and empty fields (`without_empty_fields`; τ²-bench shows them): a 135M model reads
+the record's values with less in between, and the prompt is shorter. Resets are cheap: the 2.8 MB database is loaded once per process; an episode gets shallow copies of
 the top-level tables and deep-copies an order or user only right before a write tool touches it.
 """
 
@@ -143,8 +144,19 @@ class _Session:
         return _pristine_hash() if not self.owned else self.kit.get_db_hash()
 
 
-def execute_call(session: _Session, call: ToolCall) -> tuple[str, bool]:
-    """Run one call with τ²'s tool on `session`; errors come back as τ² phrases them ("Error: ...")."""
+def without_empty_fields(value: Any) -> Any:
+    """`value` (JSON types) without the null, empty-list and empty-object fields of its objects, at every depth."""
+    if isinstance(value, dict):
+        kept = {k: without_empty_fields(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v is not None and v != [] and v != {}}
+    if isinstance(value, list):
+        return [without_empty_fields(v) for v in value]
+    return value
+
+
+def execute_call(session: _Session, call: ToolCall, compact: bool = False) -> tuple[str, bool]:
+    """Run one call with τ²'s tool on `session`; errors come back as τ² phrases them ("Error: ..."). `compact`:
+    the result without its empty fields (`without_empty_fields`), as the built-in target shows it."""
     from tau2.environment.environment import Environment as Tau2Environment
 
     all_params = _tool_params()
@@ -165,7 +177,10 @@ def execute_call(session: _Session, call: ToolCall) -> tuple[str, bool]:
         result = session.kit.use_tool(call.name, **args)
     except Exception as err:  # τ² tools signal refusals (wrong status, unknown id) by raising
         return f"Error: {err}", True
-    return Tau2Environment.to_json_str(result), False
+    text = Tau2Environment.to_json_str(result)
+    if compact and not isinstance(result, str):  # τ² returns records as JSON and ids as bare strings
+        text = json.dumps(without_empty_fields(json.loads(text)))
+    return text, False
 
 
 _GOLD_HASHES: dict[str, tuple[str, str | None]] = {}
@@ -215,7 +230,7 @@ class RetailEnv(Environment):
 
     def _execute(self, call: ToolCall) -> tuple[str, bool]:
         assert self._session is not None and self._user is not None
-        text, is_error = execute_call(self._session, call)
+        text, is_error = execute_call(self._session, call, compact=True)
         if not is_error and self._kinds.get(call.name) == "write":
             self._writes.append({"tool": call.name, "confirmed": self._user.confirmations > 0})
         return text, is_error

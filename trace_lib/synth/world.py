@@ -79,6 +79,7 @@ class TargetWorld:
         self._retail = retail
         self._session = retail._Session()
         self._names = {spec.name for spec in _specs(name, tools)}
+        self._compact = name == "retail"  # results as the built-in target shows them (τ²'s own: whole)
         self.calls: list[dict[str, Any]] = []
         """Every call made, in order: {"name", "arguments", "ok"}."""
 
@@ -93,7 +94,8 @@ class TargetWorld:
         if name not in self._names:
             self.calls.append({"name": name, "arguments": arguments, "ok": False})
             raise ToolError(f"Tool '{name}' not found.")
-        text, is_error = self._retail.execute_call(self._session, ToolCall(name=name, arguments=arguments))
+        text, is_error = self._retail.execute_call(self._session, ToolCall(name=name, arguments=arguments),
+                                                   compact=self._compact)
         self.calls.append({"name": name, "arguments": arguments, "ok": not is_error})
         if is_error:
             raise ToolError(text.removeprefix("Error: "))
