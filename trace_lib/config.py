@@ -593,7 +593,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # default's bytes). Tools listed as signatures: the retail system turn 1,180 tokens instead of 1,833
         # (benchmarks/README.md: tool formats, 2026-11-28)
         "model": {"id": "smollm2-135m", "dtype": "auto", "device": "cpu", "tool_format": "signature"},
-        "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4},  # 7 families x 2 = 14 tasks per split
+        # 7 families x 2 = 14 tasks per split; an episode ends at a repeated call (a looping episode is the costliest)
+        "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4, "end_on_repeated_call": True},
         # temperature 0.3 and a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted.
         # 16 episodes per batch: a decoding step streams every weight once whatever the rows, so 16 rows cost
         # ~1.2-1.4x a step of 8, and the rollout stage's work took 105 s against 175-233 s at 8 (2026-11-27,
@@ -637,7 +638,8 @@ PROFILES: dict[str, dict[str, Any]] = {
     # rollouts, so these budgets need well over 30 min there (README: Running at scale).
     "gpu": {
         "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto", "tool_format": "signature"},
-        "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4},  # 7 families x 8 = 56 tasks per split
+        "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4,  # 7 families x 8 = 56 tasks per split
+                "end_on_repeated_call": True},
         "rollout": {"samples_per_task": 4, "temperature": 0.3, "max_new_tokens": 128, "batch_size": 64,
                     "constrained": True, "tool_choice": "first"},
         "synthesize": {"difficulty": 0, "validation": {"band": False}},
