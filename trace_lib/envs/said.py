@@ -10,9 +10,9 @@ Matching rules: case-insensitive, after number normalisation (`normalize_text`: 
 dropped, trailing decimal zeros stripped, so "$1,234.50", "1234.5" and "1234.50" all match), and
 only whole tokens: "100" does not match "1000", "delivered" does not match "undelivered". τ²-bench
 itself only drops commas. A message that names the required value beside another candidate of the same
-kind (`rival_values`: two order statuses, two amounts of money, two long numbers such as tracking numbers
-and item ids) does not count as saying it, so text that
-hedges over several values earns nothing; nor does a status said only in the negative ("not delivered").
+kind (`rival_values`: two order statuses, two amounts of money, two long numbers such as a tracking number
+and an item id) does not count as saying it, so text that hedges over several values earns nothing; nor does
+a status said only in the negative ("not delivered").
 """
 
 from __future__ import annotations
@@ -42,21 +42,16 @@ _STATUS = re.compile(r"(?<![0-9a-z])(?<!be )(?<!been )(" + "|".join(ORDER_STATUS
 """A status stated of an order: not the verb ("can be cancelled") nor a class of orders ("pending orders")."""
 _AMOUNT = re.compile(r"^\$?\d+(?:\.\d+)?$")
 _AMOUNT_IN_TEXT = re.compile(r"(?:\$\d+(?:\.\d+)?|(?<![0-9a-z#])\d+\.\d+)(?![0-9a-z])")
-"""Money in normalised text: a number after '$' or with decimals (ids, zips and counts have neither)."""
+"""Money in lower-cased text: a number after '$' or with decimals (ids, zips and counts have neither)."""
 _LONG_NUMBER = re.compile(r"^\d{6,}$")
 _LONG_NUMBER_IN_TEXT = re.compile(r"(?<![0-9a-z#.$])\d{6,}(?![0-9a-z])")
 """A free-standing number of six digits or more (a tracking number, an item id); not an order id ('#w...')."""
 
 
-def _token(pattern: str) -> re.Pattern[str]:
-    return re.compile(r"(?<![0-9a-z])" + re.escape(pattern) + r"(?![0-9a-z])")
-
-
 def rival_values(needle: str, text: str) -> list[str]:
-    """Other candidates of `needle`'s kind (normalised) named in `text` (lower-cased, numbers as written, so "5.00"
-    is still money; the values returned are normalised): other order statuses where
-    `needle` is one, other numbers of six digits or more where `needle` is one, else other amounts of money where
-    `needle` is a number; [] for any other kind of value."""
+    """Other candidates of `needle`'s kind named in `text`, normalised: other order statuses where `needle` (normalised)
+    is one, other numbers of six digits or more where it is one, else other amounts of money where it is a number;
+    [] for any other kind. `text` is lower-cased with its numbers as written, so "5.00" is still money."""
     if needle in ORDER_STATUSES:
         return sorted({m.group(1) for m in _STATUS.finditer(text)} - {needle})
     if _LONG_NUMBER.match(needle):
@@ -76,9 +71,8 @@ def output_found(required: str, texts: Iterable[str], also_required: Iterable[st
     allowed = {normalize_text(a.strip()).lstrip("$") for a in also_required}
     if not needle:
         return True
-    pattern = _token(needle)
-    if strict and needle in ORDER_STATUSES:  # "it is not delivered" does not say it is
-        pattern = re.compile(r"(?<!not )(?<!n't )(?<!never )" + pattern.pattern)
+    negated = r"(?<!not )(?<!n't )(?<!never )" if strict and needle in ORDER_STATUSES else ""  # "not delivered"
+    pattern = re.compile(negated + r"(?<![0-9a-z])" + re.escape(needle) + r"(?![0-9a-z])")
     for text in texts:
         if pattern.search(normalize_text(text)) and not (strict and set(rival_values(needle, text.lower())) - allowed):
             return True
