@@ -66,8 +66,11 @@ def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
                            invalid_actions=0, tool_errors=0, turns=0, prompt_tokens=0, completion_tokens=0)
                 for t in tasks[:3]]
     cap = _cap("communicate_result").model_copy(update={"evidence": [e.id for e in evidence]})
-    manifest = synthesize_env(cap, "template", params, tmp_path, evidence=evidence)
-    assert manifest.valid and 'KINDS = {"total": 2, "tracking": 1}' in (tmp_path / manifest.path).read_text()
+    write_jsonl(tmp_path / "data/rollouts/train.jsonl", evidence)
+    write_jsonl(tmp_path / "data/score/kept.jsonl", [cap])
+    assert run_synthesize(params, tmp_path)["valid"] == 1
+    (manifest,) = valid_envs(tmp_path)
+    assert 'KINDS = {"total": 2, "tracking": 1}' in (tmp_path / manifest.path).read_text()
     manifest = synthesize_env(cap, "template", params, tmp_path, evidence=evidence, kinds={"refusal": 1})
     assert manifest.valid and 'KINDS = {"refusal": 1}' in (tmp_path / manifest.path).read_text()
 

@@ -1,8 +1,9 @@
 """Stage `synthesize`: one validated training environment per kept capability (paper §3.2).
 
 Reads params.yaml (`seed`, `env`, `rollout.split`, `analyst`, `synthesize`, and `model` when validation
-checks the difficulty band), `data/score/kept.jsonl` and, for an LLM synthesizer, the evidence in
-`data/rollouts/<split>.jsonl`. Writes, per capability, `data/envs/<capability>/` (attempts, and
+checks the difficulty band), `data/score/kept.jsonl` and the evidence in
+`data/rollouts/<split>.jsonl` (the LLM synthesizer shows some; the template synthesizer draws its task kinds
+from their tasks). Writes, per capability, `data/envs/<capability>/` (attempts, and
 `env.py` + `manifest.json` when one passed validation; see `trace_lib.synth.synthesize`), the list
 `data/envs/manifests.jsonl` (valid or not, with the reason), `data/envs/llm_ledger.jsonl` (LLM
 synthesizers), `data/envs/rollouts.jsonl` (rollouts spent on difficulty-band checks) and
@@ -30,7 +31,8 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
     backend = resolve_synth_backend(params.synthesize, params.analyst.backend)
     client = None if backend == "template" else analyst_client(
         params.analyst.model_copy(update={"backend": backend}), paths.synth_ledger, root, params.seed)
-    evidence = read_jsonl(paths.rollouts(params.rollout.split), Trajectory) if backend != "template" else []
+    rollouts = paths.rollouts(params.rollout.split)
+    evidence = read_jsonl(rollouts, Trajectory) if rollouts.is_file() else []
     policy = ledger = None
     if params.synthesize.validation.band:
         # Heavy (torch): imported only when validation rolls the policy out.
