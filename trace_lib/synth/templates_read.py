@@ -211,10 +211,13 @@ FACT_KINDS = ("status", "items", "city", "total", "tracking", "refusal")
 pending, answered with its status."""
 
 
-def _fact_of_kind(kind: str):
-    """`facts_of` for `_fact_task` that offers only the order's fact of `kind` (none where the order lacks it)."""
+def _fact_of_kind(kind: str, max_items: int | None = None):
+    """`facts_of` for `_fact_task` that offers only the order's fact of `kind` (none where the order lacks it, or
+    holds more than `max_items` items: a shorter record to read)."""
     def facts_of(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
         order = db.orders[oid]
+        if max_items is not None and len(order.items) > max_items:
+            return []
         if kind == "tracking":
             return [f for f in _nested_facts(db, oid, None) if f[0].startswith("what is the tracking number")]
         if kind == "total":
@@ -246,13 +249,14 @@ def evidence_kinds(db, tasks: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _communicate_task(pool: Pool, rng: random.Random, d: int, kinds: dict[str, int] | None = None) -> dict[str, Any]:
-    if kinds:  # the failures' own kinds, as often as they failed; more facts per task at higher difficulty
+    if kinds:  # the failures' own kinds, as often as they failed; 0: one single-item order, 1: one order, 2-3: more
         kind = rng.choices(sorted(kinds), weights=[kinds[k] for k in sorted(kinds)])[0]
         if kind == "refusal":
             return _refusal_task(pool, rng)
         statuses = ("processed", "delivered") if kind == "tracking" else ("pending", "processed", "delivered",
                                                                           "cancelled")
-        return _fact_task(pool, rng, statuses, _fact_of_kind(kind), [[1], [1, 1], [1, 1, 1], [1, 1, 1, 1]][d],
+        return _fact_task(pool, rng, statuses, _fact_of_kind(kind, 1 if d == 0 else None), [[1], [1], [1, 1],
+                                                                                             [1, 1, 1]][d],
                           f"the {kind} asked for")
     if d == 0 and rng.random() < REFUSAL_SHARE:
         return _refusal_task(pool, rng)
@@ -290,6 +294,7 @@ TEMPLATES = (
              "item name of a list); gate no_write (a cancellation attempted fails the episode).",
              "0: one fact, or (a third of tasks) a refused cancellation; 1: two facts; 2: three facts over two "
              "orders; 3: four facts over two orders. With kinds from the evidence: each task one kind, drawn as "
-             "often as the failures asked it, over 1-4 orders.",
+             "often as the failures asked it; 0: one order of a single item (the shortest record), 1: one order, "
+             "2: two orders, 3: three.",
              _communicate_task, _facts_check, weighted=True),
 )
