@@ -35,7 +35,7 @@ from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, evaluate_policy
 from trace_lib.io import atomic_write_text
 from trace_lib.records import AdapterManifest, Capability
-from trace_lib.stages.train import _sandbox_limits, _synthetic_source
+from trace_lib.training.sources import sandbox_limits, synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import synthesize_env
 from trace_lib.training.budget import RolloutLedger
@@ -126,14 +126,14 @@ def main() -> None:
                     "difficulty": params.synthesize.difficulty, "kinds": kinds, "overrides": args.set,
                     "setup_seconds": round(time.perf_counter() - t0, 1)}
     out = root / "adapters"
-    with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
+    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
         t0 = time.perf_counter()
         done = out / args.capability / "manifest.json"
         if done.exists():  # an earlier run's adapter under --root: evaluate it (e.g. on more target tasks)
             m = AdapterManifest.model_validate_json(done.read_text())
             result["train_seconds"] = None
         else:
-            m = train_adapter_mixture(model_dir, [_synthetic_source(box, args.capability, params)], params.train,
+            m = train_adapter_mixture(model_dir, [synthetic_source(box, args.capability, params)], params.train,
                                       out / args.capability, seed=args.seed,
                                       ledger=RolloutLedger(out / "ledger.jsonl"), name=args.capability,
                                       timing_path=out / "timing.json")

@@ -28,7 +28,7 @@ from trace_lib.config import Params, load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
 from trace_lib.records import AdapterManifest, SyntheticEnvManifest
-from trace_lib.stages.train import _sandbox_limits, _synthetic_source
+from trace_lib.training.sources import sandbox_limits, synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training.budget import RolloutLedger
@@ -68,7 +68,7 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="hint_swap-"))
     seed = params.seed if args.seed is None else args.seed
     result: dict = {"capability": args.capability, "iterations": args.iterations, "seed": seed, "arms": {}}
-    with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
+    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
         adapters = {}
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [params.train.learning_rate]
         lates = [float(x) for x in args.start_lates.split(",")] if args.start_lates else [params.train.start_late]
@@ -97,7 +97,7 @@ def main() -> None:
                 m = AdapterManifest.model_validate_json((out / name / "manifest.json").read_text())
             else:
                 m = train_adapter_mixture(root / params.model.out_dir,
-                                          [_synthetic_source(box, args.capability, params)], cfg, out / name,
+                                          [synthetic_source(box, args.capability, params)], cfg, out / name,
                                           seed=seed, ledger=RolloutLedger(out / f"{name}.ledger.jsonl"),
                                           name=name, timing_path=out / f"{name}.timing.json")
             adapters[name] = str(out / name)

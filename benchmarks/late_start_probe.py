@@ -20,7 +20,7 @@ from pathlib import Path
 
 from trace_lib.agent.policy import load_policy
 from trace_lib.envs.said import is_said_to_user
-from trace_lib.stages.train import _sandbox_limits, _synthetic_source
+from trace_lib.training.sources import sandbox_limits, synthetic_source
 from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.training.grpo import leading_steps, play, start_episode
 
@@ -45,8 +45,8 @@ def main() -> None:
     # model_copy does not validate, so 0 passes TrainConfig's temperature > 0; the sampler is greedy at 0
     cfg = params.train.model_copy(update={"temperature": temperature})
     seeds = list(range(params.train.seed_offset, params.train.seed_offset + args.tasks))
-    with SandboxProcess(root / manifest.path, _sandbox_limits(params)) as box:
-        source = _synthetic_source(box, args.capability, params)  # the train stage's: its env, tasks, reference
+    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
+        source = synthetic_source(box, args.capability, params)  # the train stage's: its env, tasks, reference
         episodes = []
         for task in source.make_tasks(seeds):
             env = source.make_env()

@@ -40,7 +40,7 @@ import torch
 
 import trace_lib.training.trainer as trainer_mod
 from trace_lib.config import load_params
-from trace_lib.stages.train import _synthetic_source
+from trace_lib.training.sources import synthetic_source
 from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
@@ -74,7 +74,7 @@ def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path,
     try:
         with SandboxProcess(module, SandboxLimits(timeout_s=30, cpu_s=3600, memory_mb=2048)) as box:
             # the train stage's source: with the reference solution a late start plays
-            source = _synthetic_source(box, capability, params.model_copy(update={"train": cfg}))
+            source = synthetic_source(box, capability, params.model_copy(update={"train": cfg}))
             trainer_mod.train_adapter_mixture(model_dir, [source], cfg, tmp / "adapter", seed=params.seed,
                                               ledger=RolloutLedger(tmp / "ledger.jsonl"), name="loss_pass")
     finally:

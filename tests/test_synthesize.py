@@ -75,6 +75,27 @@ def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
     assert manifest.valid and 'KINDS = {"refusal": 1}' in (tmp_path / manifest.path).read_text()
 
 
+def test_an_environment_no_setting_calibrates_is_dropped_and_its_rollouts_charged(tmp_path, tiny_model_dir):
+    """A random tiny model never succeeds: every setting tried is out of band, so the environment is not installed,
+    its manifest says why, and the episodes it played are in the synthesize ledger (TRACE's budget)."""
+    from trace_lib.training.budget import total_rollouts
+
+    params = params_from_dict({"analyst": {"backend": "rules"},
+                               "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
+                               "train": {"max_new_tokens": 8, "max_steps_per_episode": 2},
+                               "synthesize": {"difficulty": 1, "calibration": {
+                                   "enabled": True, "seeds": 2, "samples": 2, "max_attempts": 3}}})
+    write_jsonl(tmp_path / "data/score/kept.jsonl", [_cap("communicate_result")])
+    metrics = run_synthesize(params, tmp_path)
+    env = metrics["envs"]["communicate_result"]
+    assert metrics["valid"] == 0 and not env["valid"] and env["reason"].startswith("calibration: no setting in band")
+    assert [(a["difficulty"], a["start"]) for a in env["calibration"]["attempts"]] == [
+        (1, "opening"), (1, "reads played"), (0, "opening")]
+    assert not (tmp_path / "data/envs/communicate_result/env.py").exists() and valid_envs(tmp_path) == []
+    spent = total_rollouts([tmp_path / "data/envs/rollouts.jsonl"])
+    assert spent["by_key"] == {"synthesize/communicate_result": 12} and env["calibration"]["rollouts"] == 12
+
+
 def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):
     params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "tau2-airline"}})
     manifest = synthesize_env(_cap("communicate_result"), "template", params, tmp_path)

@@ -1125,7 +1125,10 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
         def __exit__(self, *exc):
             return False
 
+    late = {}
+
     def fake_train(model_dir, sources, cfg, out_dir, *, name, timing_path, **kw):
+        late[name] = cfg.start_late
         out_dir.mkdir(parents=True)
         (out_dir / "train_log.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n')
         times = seconds[name]
@@ -1134,11 +1137,12 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
         return AdapterManifest(capability_id=name, path=str(out_dir), base_model="tiny", env_sha256="", backend="trl",
                                rollouts_used=planned_rollouts(cfg), iterations=len(times))
 
-    monkeypatch.setattr(stage, "valid_envs", lambda root: [SimpleNamespace(capability_id="cap", path="envs/cap",
-                                                                           sha256="0")])
+    calibration = {"ok": True, "difficulty": 0, "start_late": 1.0}  # the capability trains where it was calibrated
+    monkeypatch.setattr(stage, "valid_envs", lambda root: [SimpleNamespace(
+        capability_id="cap", path="envs/cap", sha256="0", calibration=calibration, difficulty={"value": 0})])
     monkeypatch.setattr(stage, "SandboxProcess", Box)
     monkeypatch.setattr(stage, "trace_budget", lambda root, names, split: {"total": 6 + 4 * len(names)})
-    monkeypatch.setattr(stage, "_target_source", lambda params, root: None)
+    monkeypatch.setattr(stage, "target_source", lambda params, root: None)
     monkeypatch.setattr(stage, "train_adapter_mixture", fake_train)
     metrics = stage.run_train(params, tmp_path)
 
@@ -1149,6 +1153,7 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
         assert row["total_seconds"] == sum(seconds[name])
         assert row["seconds_per_rollout"] == row["total_seconds"] / rollouts[name]
     assert metrics["timing"]["cap"]["seconds_per_rollout"] == 7.5 / 4
+    assert late == {"cap": 1.0, "grpo_target": params.train.start_late}
     data = [p.read_text() for p in (tmp_path / "data").rglob("*") if p.is_file() and "logs" not in p.parts]
     assert data and not any("seconds" in text for text in data)  # wall times: metrics and data/logs only
     assert stage.per_rollout({"total_seconds": 5.0}, 0)["seconds_per_rollout"] is None  # nothing spent

@@ -264,6 +264,31 @@ class ValidationConfig(Section):
         return self
 
 
+class CalibrationConfig(Section):
+    """Fitting each valid environment to the base model before training (trace_lib.training.calibrate)."""
+
+    enabled: bool = False
+    """Calibrate; an environment no setting fits is dropped with the reason. Needs the model (the stage loads it)."""
+    seeds: int = Field(8, ge=1)
+    """Environment seeds (groups) per setting tried."""
+    samples: int = Field(8, ge=2)
+    """Episodes per seed, at `train.temperature`."""
+    success_lo: float = Field(0.10, ge=0, le=1)
+    success_hi: float = Field(0.60, ge=0, le=1)
+    """The band the base model's success rate must lie in."""
+    min_mixed: float = Field(0.40, ge=0, le=1)
+    """Smallest share of seeds whose episodes hold both a success and a failure."""
+    max_attempts: int = Field(4, ge=1)
+    """Settings tried (each difficulty from `synthesize.difficulty` down, from the opening, then with the reads
+    played) before the environment is dropped."""
+
+    @model_validator(mode="after")
+    def _band_order(self) -> CalibrationConfig:
+        if self.success_lo > self.success_hi:
+            raise ValueError(f"success_lo ({self.success_lo}) must be <= success_hi ({self.success_hi})")
+        return self
+
+
 class SynthesizeConfig(Section):
     """One validated synthetic environment per kept capability (stage `synthesize`, paper §3.2)."""
 
@@ -279,6 +304,9 @@ class SynthesizeConfig(Section):
     example_trajectories: int = Field(2, ge=0)
     """LLM synthesizer: evidence trajectories shown in the prompt."""
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    """Before training: the difficulty and start at which the base model sometimes succeeds; every episode it
+    plays is charged to TRACE (`data/envs/rollouts.jsonl`)."""
 
 
 class RewardConfig(Section):

@@ -172,6 +172,8 @@ class SyntheticEnvManifest(Record):
     reason: str = ""
     """Why no environment was installed (empty when valid)."""
     attempts: int = 0
+    calibration: dict[str, Any] = Field(default_factory=dict)
+    """The calibration against the base model (`training.calibrate.calibrate`'s result; empty when not run)."""
 
 
 class AdapterManifest(Record):

@@ -6,8 +6,10 @@ checks the difficulty band), `data/score/kept.jsonl` and the evidence in
 from their tasks). Writes, per capability, `data/envs/<capability>/` (attempts, and
 `env.py` + `manifest.json` when one passed validation; see `trace_lib.synth.synthesize`), the list
 `data/envs/manifests.jsonl` (valid or not, with the reason), `data/envs/llm_ledger.jsonl` (LLM
-synthesizers), `data/envs/rollouts.jsonl` (rollouts spent on difficulty-band checks) and
-`reports/metrics/synthesize.json`.
+synthesizers), `data/envs/rollouts.jsonl` (rollouts spent on difficulty-band checks and calibration, part of
+TRACE's budget) and `reports/metrics/synthesize.json`. With `synthesize.calibration` each valid environment is
+fitted to the base model (`trace_lib.training.calibrate`): its manifest records the difficulty and start it
+trains at, or it is dropped with the reason.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from trace_lib.analyst.llm import analyst_client
 from trace_lib.config import Params
 from trace_lib.io import read_jsonl, write_json, write_jsonl
 from trace_lib.paths import Paths
-from trace_lib.records import Capability, Trajectory
+from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
+from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import resolve_synth_backend, synthesize_env
 from trace_lib.training.budget import RolloutLedger
+from trace_lib.training.calibrate import calibrate
+from trace_lib.training.sources import sandbox_limits, synthetic_source
 
 
 def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
@@ -34,8 +39,8 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
     rollouts = paths.rollouts(params.rollout.split)
     evidence = read_jsonl(rollouts, Trajectory) if rollouts.is_file() else []
     policy = ledger = None
-    if params.synthesize.validation.band:
-        # Heavy (torch): imported only when validation rolls the policy out.
+    if params.synthesize.validation.band or params.synthesize.calibration.enabled:
+        # Heavy (torch): imported only when validation or calibration rolls the policy out.
         from trace_lib.agent.policy import load_policy
 
         policy = load_policy(Path(params.model.out_dir), dtype=params.model.dtype, device=params.model.device,
@@ -43,14 +48,37 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
         ledger = RolloutLedger(paths.synth_rollouts)
     manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence,
                                 policy=policy, ledger=ledger) for cap in kept]
+    if params.synthesize.calibration.enabled:
+        manifests = [calibrated(m, params, root, policy, ledger) if m.valid else m for m in manifests]
     write_jsonl(paths.env_manifests, manifests)
     metrics = {
         "backend": backend,
         "kept": len(kept),
         "valid": sum(m.valid for m in manifests),
         "envs": {m.capability_id: {"valid": m.valid, "attempts": m.attempts,
-                                   "failed": m.validation.get("failed"), "reason": m.reason} for m in manifests},
+                                   "failed": m.validation.get("failed"), "reason": m.reason,
+                                   "calibration": {k: v for k, v in m.calibration.items() if k != "reason"}}
+                 for m in manifests},
         "note": "no kept capabilities: nothing to synthesize" if not kept else "",
     }
     write_json(paths.metrics("synthesize"), metrics)
     return metrics
+
+
+def calibrated(manifest: SyntheticEnvManifest, params: Params, root: Path, policy: Any,
+               ledger: RolloutLedger) -> SyntheticEnvManifest:
+    """`manifest` with its calibration (`training.calibrate`): the difficulty it trains at, or, where no setting is
+    in band, not valid, its module removed and the reason recorded. Every episode played goes to `ledger`."""
+    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
+        result = calibrate(policy, lambda d: synthetic_source(box, manifest.capability_id, params, difficulty=d),
+                           params.synthesize.calibration, params.train, params.synthesize.difficulty, params.seed)
+    ledger.add("synthesize", result["rollouts"], key=manifest.capability_id)
+    env_dir = Paths(root).env_dir(manifest.capability_id)
+    if not result["ok"]:
+        (env_dir / "env.py").unlink(missing_ok=True)
+        (env_dir / "manifest.json").unlink(missing_ok=True)
+        return manifest.model_copy(update={"valid": False, "reason": f"calibration: {result['reason']}",
+                                           "calibration": result})
+    out = manifest.model_copy(update={"calibration": result, "difficulty": {"value": result["difficulty"]}})
+    write_json(env_dir / "manifest.json", out.model_dump(mode="json"))
+    return out

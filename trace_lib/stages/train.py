@@ -47,20 +47,17 @@ from typing import Any
 from trace_lib.agent.model import numerics
 from trace_lib.agent.policy import load_policy
 from trace_lib.config import Params, TrainConfig
-from trace_lib.envs import load_tasks, make_env
-from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks, task_payload
 from trace_lib.evaluation.inputs import DISTILLED, trace_budget
 from trace_lib.io import dumps_json, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.plots.train import write_train_csvs
-from trace_lib.records import AdapterManifest, Task
-from trace_lib.synth.sandbox import SandboxError, SandboxLimits, SandboxProcess
+from trace_lib.records import AdapterManifest
+from trace_lib.synth.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training import distributed
 from trace_lib.training.budget import RolloutLedger
-from trace_lib.training.grpo import TrainSource
-from trace_lib.training.hints import hint_from_steps, reference_steps
 from trace_lib.training.lockstep import LockstepJob, LockstepSampler, resume_points, run_lockstep
+from trace_lib.training.sources import sandbox_limits, synthetic_source, target_source
 from trace_lib.training.trainer import (
     checkpoint_iterations,
     planned_rollouts,
@@ -70,42 +67,6 @@ from trace_lib.training.trainer import (
     train_adapter_mixture,
     train_dtype,
 )
-
-
-def _sandbox_limits(params: Params) -> SandboxLimits:
-    v = params.synthesize.validation
-    # The validation CPU limit is a lifetime limit for a short check; a worker serving a whole training
-    # run spends more, so it gets an hour (wall-time per request and memory stay as validated).
-    return SandboxLimits(timeout_s=v.timeout_s, cpu_s=max(v.cpu_s, 3600), memory_mb=v.memory_mb)
-
-
-def _target_source(params: Params, root: Path) -> TrainSource:
-    """The target environment's train tasks as a training source (the 'GRPO on target' baseline)."""
-    tasks = load_tasks(params.env, params.rollout.split, root)
-    if not tasks:
-        raise ValueError(f"the target {params.env.name!r} has no {params.rollout.split!r} tasks to train on")
-    return TrainSource("target", lambda: make_env(params.env),
-                       lambda seeds: [tasks[s % len(tasks)] for s in seeds],
-                       hint=lambda task: hint_from_steps(reference_steps(task)), reference=reference_steps)
-
-
-def _solution(box: SandboxProcess, task: Task) -> list:
-    """The module's reference solution of `task`; empty when `solve` fails (the rollout then plays
-    unguided and from the start)."""
-    try:
-        steps = box.request("solve", task=task_payload(task))
-    except SandboxError:
-        return []
-    return steps if isinstance(steps, list) else []
-
-
-def _synthetic_source(box: SandboxProcess, capability: str, params: Params, weight: float = 1.0) -> TrainSource:
-    """A validated synthetic environment (served by the sandbox `box`) as a training source."""
-    return TrainSource(capability,
-                       lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode),
-                       lambda seeds: synthetic_tasks(box, capability, seeds, params.synthesize.difficulty, "train"),
-                       weight, hint=lambda task: hint_from_steps(_solution(box, task)),
-                       reference=lambda task: _solution(box, task))
 
 
 def distill_config(cfg: TrainConfig) -> TrainConfig:
@@ -143,14 +104,20 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     manifests: list[AdapterManifest] = []
     timing: dict[str, Path] = {}
     with ExitStack() as stack:
-        boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, _sandbox_limits(params)))
+        boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, sandbox_limits(params)))
                  for m in envs}
 
         resume: dict[str, int | None] = {}  # in lockstep: the iteration each training resumes from (`resume_points`)
 
+        def source(m: Any, weight: float = 1.0) -> Any:
+            """A capability's environment at the difficulty it was calibrated to (else `synthesize.difficulty`)."""
+            return synthetic_source(boxes[m.capability_id], m.capability_id, params, weight,
+                                    m.difficulty.get("value") if m.calibration else None)
+
         def train_capability(m: Any, sampler: Any = None) -> AdapterManifest:
+            late = {"start_late": m.calibration["start_late"]} if m.calibration.get("ok") else {}
             return train_adapter_mixture(
-                model_dir, [_synthetic_source(boxes[m.capability_id], m.capability_id, params)], cfg,
+                model_dir, [source(m)], cfg.model_copy(update=late),
                 paths.adapter(m.capability_id), seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(m.capability_id)), name=m.capability_id, progress=progress,
                 env_sha256=m.sha256, ckpt_dir=paths.checkpoint(m.capability_id), timing_path=timing[m.capability_id],
@@ -161,9 +128,8 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         per_iter = cfg.groups * cfg.group_size
         budget = (trace_budget(root, [], params.rollout.split)["total"] + len(envs) * planned_rollouts(cfg)
                   if envs else 0)
-        baselines = {"grpo_target": lambda: [_target_source(params, root)],
-                     "merged_data": lambda: [_synthetic_source(boxes[m.capability_id], m.capability_id, params,
-                                                               cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
+        baselines = {"grpo_target": lambda: [target_source(params, root)],
+                     "merged_data": lambda: [source(m, cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
         skipped: dict[str, str] = {}
         for name in cfg.baselines:
             if name == "merged_data" and len(envs) < 2:

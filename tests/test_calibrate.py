@@ -1,0 +1,65 @@
+"""Calibration: the ladder of settings, the band judgement, and a whole calibration with a scripted policy."""
+
+from __future__ import annotations
+
+import pytest
+from test_train import FAST, ScriptedPolicy, kv_tasks
+from toy import KVEnv
+
+from trace_lib.config import CalibrationConfig, TrainConfig
+from trace_lib.training.calibrate import CALIBRATION_SEED0, Setting, calibrate, calibration_ladder, judge
+from trace_lib.training.grpo import TrainSource
+from trace_lib.training.hints import reference_steps
+from trace_lib.training.trainer import load_trainable
+
+
+def test_the_ladder_goes_down_in_difficulty_opening_first():
+    assert calibration_ladder(1, 10) == [Setting(1, False), Setting(1, True), Setting(0, False), Setting(0, True)]
+    assert calibration_ladder(2, 3) == [Setting(2, False), Setting(2, True), Setting(1, False)]
+    assert [s.start for s in calibration_ladder(0, 2)] == ["opening", "reads played"]
+
+
+def test_judge_needs_the_rate_in_band_and_enough_mixed_groups():
+    cfg = CalibrationConfig(success_lo=0.1, success_hi=0.6, min_mixed=0.4)
+    assert judge([[True, False], [False, False], [True, False]], cfg) == {
+        "success": round(2 / 6, 4), "mixed_groups": round(2 / 3, 4), "in_band": True}
+    assert not judge([[True, True], [False, False], [False, False]], cfg)["in_band"]  # 1/3 but no mixed group
+    assert not judge([[True, False], [True, True], [True, True]], cfg)["in_band"]  # 5/6 too easy
+    assert not judge([], cfg)["in_band"]
+    with pytest.raises(ValueError, match="success_lo"):
+        CalibrationConfig(success_lo=0.7, success_hi=0.6)
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_dir):
+    policy, _ = load_trainable(tiny_model_dir, TrainConfig(), "trl", seed=0)
+    return ScriptedPolicy(policy.model, policy.tokenizer, "tiny")
+
+
+def _source_at(asked: list[int]):
+    def source_at(difficulty: int) -> TrainSource:
+        asked.append(difficulty)
+        return TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, reference=reference_steps)
+    return source_at
+
+
+def test_a_setting_in_band_is_kept_with_its_rollouts(scripted):
+    asked: list[int] = []
+    train = TrainConfig(**FAST, start_late=0.25)
+    out = calibrate(scripted, _source_at(asked), CalibrationConfig(seeds=3, samples=2, success_lo=0.0,
+                                                                   success_hi=1.0, min_mixed=0.0), train, 1, seed=0)
+    assert (out["ok"], out["difficulty"], out["start_late"], out["rollouts"], asked) == (True, 1, 0.25, 6, [1])
+    (attempt,) = out["attempts"]
+    assert attempt["start"] == "opening" and 0 < attempt["success"] < 1 and attempt["in_band"]
+
+
+def test_no_setting_in_band_is_a_reason_listing_every_attempt(scripted):
+    asked: list[int] = []
+    cfg = CalibrationConfig(seeds=3, samples=2, success_lo=0.99, success_hi=1.0, max_attempts=3)
+    out = calibrate(scripted, _source_at(asked), cfg, TrainConfig(**FAST), 1, seed=0)
+    assert not out["ok"] and out["difficulty"] is None and out["rollouts"] == 18 and asked == [1, 1, 0]
+    assert [(a["difficulty"], a["start"]) for a in out["attempts"]] == [(1, "opening"), (1, "reads played"),
+                                                                       (0, "opening")]
+    assert out["reason"].startswith("no setting in band") and out["reason"].count("difficulty") == 3
+    assert [a["rollouts"] for a in out["attempts"]] == [6, 6, 6] and not any(a["in_band"] for a in out["attempts"])
+    assert CALIBRATION_SEED0 > TrainConfig().seed_offset

@@ -1,0 +1,91 @@
+"""Calibrating a synthesized environment before training: fit its difficulty and start to the base model.
+
+Reads nothing from disk and writes nothing. The synthesize stage hands over the base policy and a factory of
+training sources, one per difficulty (`training.grpo.TrainSource`: the environment served from its sandbox). It
+gets back the setting to train at, or the reason none fits. This is the authors' generation loop (their plans
+sample 16 rollouts x 100 seeds at T 0.7 and ask for 20–60% success with enough informative groups), sized for a
+CPU. The base model plays `seeds` x `samples` episodes at the training temperature, each one as GRPO would
+sample it. The environment is in band when the success rate lies in [success_lo, success_hi] and at least
+`min_mixed` of the groups hold both a success and a failure (a group of equal rewards teaches nothing). The
+settings are tried in order (`calibration_ladder`): each difficulty from the configured one down to 0, first
+from the opening, then with the reference's leading reads played (the start `train.start_late` trains from).
+Every episode played is a rollout TRACE spends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trace_lib.config import CalibrationConfig, TrainConfig
+from trace_lib.training.grpo import Episode, TrainSource, leading_steps, play, start_episode
+
+CALIBRATION_SEED0 = 900_000
+"""First environment seed calibration plays: apart from validation (0..), training (`train.seed_offset` + group)
+and the evaluation's held-out seeds (`evaluation.runner.INTERFERENCE_SEED0`)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where the environment's episodes start: its generator's difficulty, and whether the reads are played."""
+
+    difficulty: int
+    late: bool
+
+    @property
+    def start(self) -> str:
+        return "reads played" if self.late else "opening"
+
+
+def calibration_ladder(difficulty: int, max_attempts: int) -> list[Setting]:
+    """The settings tried, in order: each difficulty from `difficulty` down to 0, from the opening, then with the
+    reads played; at most `max_attempts` of them."""
+    return [Setting(d, late) for d in range(difficulty, -1, -1) for late in (False, True)][:max_attempts]
+
+
+def judge(successes: list[list[bool]], cfg: CalibrationConfig) -> dict[str, Any]:
+    """Success rate, share of mixed groups and whether both are in band, for one group of outcomes per seed."""
+    n = sum(len(g) for g in successes)
+    rate = sum(map(sum, successes)) / n if n else 0.0
+    mixed = sum(0 < sum(g) < len(g) for g in successes) / len(successes) if successes else 0.0
+    in_band = cfg.success_lo <= rate <= cfg.success_hi and mixed >= cfg.min_mixed
+    return {"success": round(rate, 4), "mixed_groups": round(mixed, 4), "in_band": in_band}
+
+
+def measure(policy: Any, source: TrainSource, setting: Setting, cfg: CalibrationConfig, train: TrainConfig,
+            seed: int) -> dict[str, Any]:
+    """Play `cfg.seeds` x `cfg.samples` base-model episodes of `source` from `setting` at `train.temperature`; the
+    outcome (`judge`) with the setting and the rollouts spent."""
+    seeds = list(range(CALIBRATION_SEED0, CALIBRATION_SEED0 + cfg.seeds))
+    episodes: list[Episode] = []
+    for env_seed, task in zip(seeds, source.make_tasks(seeds), strict=True):
+        for sample in range(cfg.samples):
+            env = source.make_env()
+            env.max_steps = min(env.max_steps, train.max_steps_per_episode)
+            steps = leading_steps(source.reference(task), env.tool_kinds()) if setting.late and source.reference else []
+            episodes.append(start_episode(policy, source.name, env_seed, task, sample, env, preplay=steps))
+    play(policy, episodes, train, seed=seed)
+    outcomes = [[ep.env.reward()[0] >= 1 for ep in episodes[i:i + cfg.samples]]
+                for i in range(0, len(episodes), cfg.samples)]
+    return {"difficulty": setting.difficulty, "start": setting.start, **judge(outcomes, cfg), "rollouts": len(episodes)}
+
+
+def calibrate(policy: Any, source_at: Callable[[int], TrainSource], cfg: CalibrationConfig, train: TrainConfig,
+              difficulty: int, seed: int) -> dict[str, Any]:
+    """Try the ladder's settings until one is in band. Returns `ok`, the setting found (`difficulty`, `start_late`:
+    1.0 where the reads must be played, else `train.start_late`), every attempt, the rollouts spent, and the reason
+    when none fits."""
+    attempts: list[dict[str, Any]] = []
+    for setting in calibration_ladder(difficulty, cfg.max_attempts):
+        attempts.append(measure(policy, source_at(setting.difficulty), setting, cfg, train, seed))
+        if attempts[-1]["in_band"]:
+            return {"ok": True, "difficulty": setting.difficulty,
+                    "start_late": 1.0 if setting.late else train.start_late, "attempts": attempts,
+                    "rollouts": sum(a["rollouts"] for a in attempts), "reason": ""}
+    tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, "
+                      f"mixed groups {a['mixed_groups']:.2f}" for a in attempts)
+    return {"ok": False, "difficulty": None, "start_late": None, "attempts": attempts,
+            "rollouts": sum(a["rollouts"] for a in attempts),
+            "reason": f"no setting in band (success in [{cfg.success_lo}, {cfg.success_hi}], mixed groups >= "
+                      f"{cfg.min_mixed}): {tried}"}
