@@ -38,7 +38,8 @@ def test_repo_params_yaml_switches_to_the_paper_with_one_key(tmp_path: Path):
         cpu = load_params(repo / "params.yaml")
     assert paper.model.id == "meta-llama/Llama-3.1-8B-Instruct" and cpu.model.id == "smollm2-135m"
     assert (paper.train.iterations, paper.train.groups, paper.train.group_size, paper.train.lora_rank) == (40, 64, 16, 16)
-    assert paper.train.learning_rate == 1e-5 and paper.train.baselines == ["grpo_target", "merged_data"]
+    assert paper.train.learning_rate == 1e-5 and paper.train.baselines == ["grpo_target", "grpo_target_late",
+                                                                           "merged_data"]
     assert (paper.env.tasks_per_family, paper.env.max_steps, paper.rollout.max_new_tokens) == (64, 30, 512)
     assert paper.synthesize.validation.band is True and cpu.synthesize.validation.band is False
     assert (cpu.train.iterations, cpu.train.groups, cpu.train.learning_rate) == (2, 2, 5e-4)
@@ -108,16 +109,17 @@ def test_dotted_overrides(tmp_path: Path):
 
 def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
     cpu = params_from_dict({})
-    assert cpu.evaluate.methods == ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
-                                    "trace", "distilled"] and cpu.evaluate.route_mode == "argmax"
-    assert cpu.train.baselines == ["grpo_target", "merged_data"] and cpu.scaling.budgets == [16, 32, 36, 44, 52, 60]
-    assert cpu.train.distill.iterations == 2 and cpu.train.distill.learning_rate is None
+    assert cpu.evaluate.methods == ["base", "grpo_target", "grpo_target_late", "linear_merge", "single",
+                                    "oracle_route", "trace"] and cpu.evaluate.route_mode == "argmax"
+    assert cpu.train.baselines == ["grpo_target", "grpo_target_late"] and cpu.scaling.budgets == [16, 32, 36, 44, 52, 60]
+    assert cpu.train.distill.iterations == 0 and cpu.train.distill.learning_rate is None
+    assert cpu.env.end_on_repeated_call and not Params().env.end_on_repeated_call
     assert Params().train.distill.iterations == 0  # outside a profile: no distillation
     assert load_params(Path(__file__).parents[1] / "params.yaml").scaling.budgets == [16, 32, 36, 44, 52, 60]
     paper = params_from_dict({"profile": "paper"})
     assert "grpo_target" in paper.evaluate.methods and paper.evaluate.route_mode == "both"
     gpu = params_from_dict({"profile": "gpu"})
     assert (gpu.model.id, gpu.model.device) == ("smollm2-135m", "auto")
-    assert gpu.train.baselines == ["grpo_target", "merged_data"]
+    assert gpu.train.baselines == ["grpo_target", "grpo_target_late", "merged_data"]
     assert gpu.train.iterations * gpu.train.groups * gpu.train.group_size == 640 and gpu.env.tasks_per_family * 7 == 56
     assert "grpo_target" in gpu.evaluate.methods and gpu.train.save_every == 2

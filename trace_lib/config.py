@@ -431,9 +431,11 @@ class TrainConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
-    baselines: list[Literal["grpo_target", "merged_data"]] = Field(default_factory=list)
+    baselines: list[Literal["grpo_target", "grpo_target_late", "merged_data"]] = Field(default_factory=list)
     """Baseline adapters trained after the capability adapters, at their total rollout budget:
-    'grpo_target' (GRPO on the target's train tasks) and 'merged_data' (one adapter on the mixture of
+    'grpo_target' (GRPO on the target's train tasks), 'grpo_target_late' (the same from the
+    start TRACE's late-started environments use: the reference's reads played, `start_late` 1; the ablation that
+    tells a gain of the start state from a gain of synthesis) and 'merged_data' (one adapter on the mixture of
     all synthetic environments, weighted by `mixture`). Empty on the CPU default: each costs as much
     training as all capability adapters together."""
     distill: DistillConfig = Field(default_factory=DistillConfig)
@@ -481,10 +483,10 @@ class TrainConfig(Section):
         return self
 
 
-MethodName = Literal["base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route", "trace",
-                     "distilled"]
-METHODS: tuple[str, ...] = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single", "oracle_route",
-                            "trace", "distilled")
+MethodName = Literal["base", "grpo_target", "grpo_target_late", "gepa", "merged_data", "linear_merge", "single",
+                     "oracle_route", "trace", "distilled"]
+METHODS: tuple[str, ...] = ("base", "grpo_target", "grpo_target_late", "gepa", "merged_data", "linear_merge", "single",
+                            "oracle_route", "trace", "distilled")
 class EvaluateConfig(Section):
     """Router + adapters on the held-out split; baselines at equal rollout budget (stage `evaluate`, paper §4)."""
 
@@ -635,13 +637,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         # left greedy behaviour unchanged, at 5e-4 they move it
         # base weights as model.dtype (auto: bf16 where it is faster; LoRA weights stay fp32): on a Zen 5 EPYC the
         # shared-prompt pass is ~2x faster in bf16 than in fp32
-        # the two baselines trained at TRACE's budget (discovery included): 7 iterations each, ~10 of the
-        # default's ~30 minutes (2026-11-26)
-        # the distilled student: 2 iterations (16 rollouts) on the synthetic mixture, its capability adapters teaching
-        # not in lockstep (`train.lockstep`): 0.86x the time on 2 iterations of the four GRPO trainings, but the
-        # whole train stage took as long either way (2026-11-28, benchmarks/README.md: train_lockstep)
+        # GRPO on target and its start-state ablation at TRACE's budget; merged data and the distilled student
+        # run in the gpu and paper profiles (each cost as much training as TRACE's adapters together)
         "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "auto",
-                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 2}},
+                  "baselines": ["grpo_target", "grpo_target_late"], "distill": {"iterations": 0}},
         # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
         # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
         # router chosen on the train split, against the oracle of the capability labelled lacking (2026-11-29
@@ -649,8 +648,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # against the task tags (2026-11-25) calibrated had led, 0.50 to knn's 0.21
         # every method's episodes in one batch, rows under different weights: 460 s against 551 s method by
         # method on this split (2026-11-28, benchmarks/README.md: evaluate_routes.py)
-        "evaluate": {"methods": ["base", "grpo_target", "merged_data", "linear_merge", "single", "oracle_route",
-                                 "trace", "distilled"], "route_mode": "argmax", "interference_seeds": 2,
+        "evaluate": {"methods": ["base", "grpo_target", "grpo_target_late", "linear_merge", "single", "oracle_route",
+                                 "trace"], "route_mode": "argmax", "interference_seeds": 2,
                      "router": "knn", "decode_together": True},
         # budget points: TRACE at 0, 36, 44, 52 and 60 rollouts (the base model; communicate_result's
         # iteration-1 snapshot; both at iteration 1; communicate_result final; the final adapters), GRPO on
@@ -673,7 +672,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "synthesize": {"difficulty": 0, "validation": {"band": False}},
         "train": {"iterations": 10, "groups": 8, "group_size": 8, "temperature": 0.8, "learning_rate": 2e-4,
                   "dtype": "bfloat16", "hint_fraction": 0.5, "save_every": 2,
-                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 4}},
+                  "baselines": ["grpo_target", "grpo_target_late", "merged_data"], "distill": {"iterations": 4}},
         "evaluate": {"route_mode": "both", "interference_seeds": 2, "router": "calibrated"},
     },
     "paper": {
@@ -685,7 +684,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "train": {"lora_rank": 16, "lora_alpha": 32, "learning_rate": 1e-5, "iterations": 40, "groups": 64,
                   "group_size": 16, "temperature": 1.0, "max_new_tokens": 512, "max_steps_per_episode": 30,
                   "constrained": False, "tool_choice": "auto", "tool_result_tokens": 1024,
-                  "baselines": ["grpo_target", "merged_data"], "distill": {"iterations": 10}, "save_every": 5},
+                  "baselines": ["grpo_target", "grpo_target_late", "merged_data"], "distill": {"iterations": 10},
+                  "save_every": 5},
     },
 }
 

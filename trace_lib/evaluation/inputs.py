@@ -40,7 +40,7 @@ from trace_lib.training.budget import total_rollouts
 
 DISTILLED = "distilled"
 """The student of cross-skill distillation (train stage, `train.distill`); it lives beside the baselines."""
-BASELINES = ("grpo_target", "merged_data", DISTILLED)
+BASELINES = ("grpo_target", "grpo_target_late", "merged_data", DISTILLED)
 """Adapters the evaluate stage looks for under data/adapters/_baselines/ (the distilled student among them:
 one adapter for every task, trained after the capability adapters)."""
 RETRIEVAL_EXAMPLES = 8

@@ -21,8 +21,8 @@ import pandas as pd
 from trace_lib.records import EvalResult, Task, Trajectory
 from trace_lib.stats import compare, group_rows, rate_row, task_outcomes
 
-TABLE1_ORDER = ("base", "grpo_target", "gepa", "merged_data", "linear_merge", "single_best", "single", "trace_argmax",
-                "trace_top_p", "distilled")
+TABLE1_ORDER = ("base", "grpo_target", "grpo_target_late", "gepa", "merged_data", "linear_merge", "single_best",
+                "single", "trace_argmax", "trace_top_p", "distilled")
 """Row order of Table 1; 'single' stands for every single-capability row after the best one."""
 ROUTING_ROWS = ("trace_argmax", "trace_top_p", "oracle_route", "hindsight_route", "linear_merge", "merged_data",
                 "distilled", "single_best")

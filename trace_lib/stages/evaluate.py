@@ -19,7 +19,8 @@ Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis
 
     base           the base model, no adapter
     grpo_target    GRPO on the target's train tasks (one adapter)           | baselines trained at
-    merged_data    one adapter trained on the mixture of all synthetic envs | TRACE's rollout budget
+    grpo_target_late  the same, started with the reference's reads played  | TRACE's rollout budget
+    merged_data    one adapter trained on the mixture of all synthetic envs |
     gepa           GEPA-optimized system prompt (`trace_lib.evaluation.gepa`) |
     linear_merge   the per-capability adapters averaged (α = 1/n each), one fixed merge for every task
     single         each capability adapter alone on every task; the best one gets its own row
@@ -151,12 +152,16 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
 
     def add(method: str, key: str, label: str, reason: str | None = None, routing_for=None,
             budget_n: int | None = None, source: str = "", prompts: Mapping[str, str] | None = None) -> None:
-        if reason is None and method not in wanted:
-            reason = "not in evaluate.methods"
+        if method not in wanted:  # what runs it beats why it could not have run
+            trained = {"grpo_target": "train.baselines", "grpo_target_late": "train.baselines",
+                       "merged_data": "train.baselines", "distilled": "train.distill.iterations"}.get(method)
+            reason = (f"not run in the {params.profile} profile: add {method!r} to evaluate.methods"
+                      + (f" (and set {trained})" if trained else "") + (f"; {reason}" if reason else ""))
         specs.append((method, key, label, reason, routing_for, budget_n, source, prompts))
 
     add("base", "base", "base", routing_for=lambda e, ts: None, budget_n=0, source="no training")
-    for name, label in (("grpo_target", "GRPO on target"), ("merged_data", "merged data (one adapter)")):
+    for name, label in (("grpo_target", "GRPO on target"), ("grpo_target_late", "GRPO on target (reads played)"),
+                        ("merged_data", "merged data (one adapter)")):
         if name in baselines:
             n, src = inputs.adapter_budget(root, name, baseline=True)
             add(name, name, label, routing_for=lambda e, ts, a=name: a, budget_n=n, source=src)

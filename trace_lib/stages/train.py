@@ -129,6 +129,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         budget = (trace_budget(root, [], params.rollout.split)["total"] + len(envs) * planned_rollouts(cfg)
                   if envs else 0)
         baselines = {"grpo_target": lambda: [target_source(params, root)],
+                     "grpo_target_late": lambda: [target_source(params, root)],
                      "merged_data": lambda: [source(m, cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
         skipped: dict[str, str] = {}
         for name in cfg.baselines:
@@ -139,8 +140,10 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         bcfg = cfg.model_copy(update={"rollout_budget": budget, "iterations": budget // per_iter})
 
         def train_baseline(name: str, sampler: Any = None) -> AdapterManifest:
+            late = {"start_late": 1.0} if name == "grpo_target_late" else {}
             return train_adapter_mixture(
-                model_dir, baselines[name](), bcfg, paths.adapter(name, baseline=True), seed=params.seed,
+                model_dir, baselines[name](), bcfg.model_copy(update=late), paths.adapter(name, baseline=True),
+                seed=params.seed,
                 ledger=RolloutLedger(paths.train_ledger(name, baseline=True)), name=name, progress=progress,
                 ckpt_dir=paths.checkpoint(name, baseline=True), timing_path=timing[name], sampler=sampler,
                 resume_at_most=resume.get(name), **common)
