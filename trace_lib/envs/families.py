@@ -76,17 +76,19 @@ def _orders(db, *statuses: str, single_payment: bool = False) -> list[str]:
 
 
 # --- families -----------------------------------------------------------------------------------
+def _one_lookup(oid: str, ask: str, instruction: str, value: str) -> dict[str, Any]:
+    """Task fields of a one-lookup question: the user gives order `oid`, the agent reads it and says `value`."""
+    return dict(instruction=instruction, user=UserScenario(reason_for_call=ask, known_info={"order_id": oid}),
+                gold_actions=[_call("get_order_details", order_id=oid)], required_outputs=[value])
+
+
 def _order_status(db, oid: str, rng: random.Random) -> dict[str, Any]:
     status = db.orders[oid].status
     ask = rng.choice([f"Hi! What is the status of my order {oid}?",
                       f"Hello, can you tell me the status of order {oid}?",
                       f"Hi, I'd like to know the current status of my order {oid}."])
-    return dict(
-        instruction=f"The user gives order id {oid} and asks for its status; the agent looks it up and says it is '{status}'.",
-        user=UserScenario(reason_for_call=ask, known_info={"order_id": oid}),
-        gold_actions=[_call("get_order_details", order_id=oid)],
-        required_outputs=[status],
-    )
+    return _one_lookup(oid, ask, f"The user gives order id {oid} and asks for its status; the agent looks it up and "
+                                 f"says it is '{status}'.", status)
 
 
 def _order_total(db, oid: str, rng: random.Random) -> dict[str, Any]:
@@ -94,12 +96,8 @@ def _order_total(db, oid: str, rng: random.Random) -> dict[str, Any]:
     ask = rng.choice([f"Hi, how much did I pay in total for order {oid}?",
                       f"Hello, what was the total amount charged for my order {oid}?",
                       f"Can you tell me the total price I paid for order {oid}?"])
-    return dict(
-        instruction=f"The user gives order id {oid} and asks what it cost in total; the agent reads the payment and says {amount}.",
-        user=UserScenario(reason_for_call=ask, known_info={"order_id": oid}),
-        gold_actions=[_call("get_order_details", order_id=oid)],
-        required_outputs=[amount],
-    )
+    return _one_lookup(oid, ask, f"The user gives order id {oid} and asks what it cost in total; the agent reads the "
+                                 f"payment and says {amount}.", amount)
 
 
 def _order_tracking(db, oid: str, rng: random.Random) -> dict[str, Any]:
@@ -107,12 +105,8 @@ def _order_tracking(db, oid: str, rng: random.Random) -> dict[str, Any]:
     ask = rng.choice([f"Hi! What is the tracking number of my order {oid}?",
                       f"Hello, can you give me the tracking number for order {oid}?",
                       f"Hi, I need the tracking number of my order {oid}, please."])
-    return dict(
-        instruction=f"The user gives order id {oid} and asks for its tracking number; the agent reads the fulfillment and says {tracking}.",
-        user=UserScenario(reason_for_call=ask, known_info={"order_id": oid}),
-        gold_actions=[_call("get_order_details", order_id=oid)],
-        required_outputs=[tracking],
-    )
+    return _one_lookup(oid, ask, f"The user gives order id {oid} and asks for its tracking number; the agent reads "
+                                 f"the fulfillment and says {tracking}.", tracking)
 
 
 def _tracked(db) -> list[str]:
