@@ -24,7 +24,8 @@ band-check ledger (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
                                          each adapter's seconds per iteration (no DVC output: timings
                                          stay out of cached artifacts)
 
-The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`. The baselines' budget
+A calibrated environment (`synthesize.calibration`) trains at the difficulty and start its calibration chose
+(its manifest). The training itself (GRPO through TRL, resume, budget) is `trace_lib.training.trainer`. The baselines' budget
 is TRACE's as the capability adapters' configs plan it, checked against their ledgers once they are done, so
 that with `train.lockstep` the capability adapters and the baselines train together, each round's episodes of
 all of them decoded in one batch (`trace_lib.training.lockstep`); the distilled student joins the rounds once the
