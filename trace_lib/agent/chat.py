@@ -56,10 +56,10 @@ MAX_OUTPUT_CHARS = 8000
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _STOP_STRINGS = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n?(.*?)\n?```$", re.DOTALL)
-PROTOCOL_MARKUP = ("<tool_response>", "</tool_response>", "<tools>", "</tools>", "<|im_start|>", "<|im_end|>",
-                   "<|endoftext|>")
+PROTOCOL_MARKUP = ("<tool_response>", "</tool_response>", "<tools>", "</tools>", "<|im_start|>")
 """Chat-format markup that has no place in an agent turn: a turn holding it imitates the protocol (e.g. a
-made-up tool result), so it is an invalid action the environment answers, also marked `suspicious`."""
+made-up tool result, another turn opened after its own end), so it is an invalid action the environment answers,
+also marked `suspicious`. An end-of-turn token is no imitation: the turn ends there and what follows is cut."""
 _CALL_SYNTAX = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 
 
@@ -376,8 +376,7 @@ def _parse(text: str, tools: list[dict[str, Any]], turn: int, max_chars: int) ->
 
 
 def _protocol_markup(text: str) -> str | None:
-    """Why a turn imitates the chat protocol, or None. Stop strings count only after other text
-    (a turn that simply ends with `<|im_end|>` is the normal case)."""
+    """Why a turn imitates the chat protocol, or None. `<|im_start|>` counts only when a turn follows it."""
     found = []
     for tag in PROTOCOL_MARKUP:
         idx = text.find(tag)
