@@ -1157,3 +1157,17 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
     data = [p.read_text() for p in (tmp_path / "data").rglob("*") if p.is_file() and "logs" not in p.parts]
     assert data and not any("seconds" in text for text in data)  # wall times: metrics and data/logs only
     assert stage.per_rollout({"total_seconds": 5.0}, 0)["seconds_per_rollout"] is None  # nothing spent
+
+
+def test_the_train_stage_with_no_environment_writes_its_outputs_empty(tmp_path):
+    """No capability kept (e.g. a base model that never succeeds): nothing trains, and every DVC output of the
+    stage still exists, so the pipeline goes on and says why."""
+    from trace_lib.config import params_from_dict
+    from trace_lib.io import read_json, write_jsonl
+    from trace_lib.stages import train as stage
+
+    write_jsonl(tmp_path / "data/envs/manifests.jsonl", [])
+    metrics = stage.run_train(params_from_dict({}), tmp_path)
+    assert metrics["adapters"] == {} and metrics["note"] == "no validated environments: no adapters trained"
+    assert (tmp_path / "data/train").is_dir() and (tmp_path / "data/adapters/manifests.jsonl").read_text() == ""
+    assert read_json(tmp_path / "reports/metrics/train.json") == metrics

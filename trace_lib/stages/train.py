@@ -195,6 +195,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     if rank > 0:  # process 0 writes the stage's outputs
         return {}
     write_jsonl(paths.adapter_manifests, manifests)
+    paths.train.mkdir(parents=True, exist_ok=True)  # a DVC output, empty where nothing trained
     rollouts = {m.capability_id: m.rollouts_used for m in manifests}
     write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths.train_logs)
     metrics = {
