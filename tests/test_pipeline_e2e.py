@@ -202,7 +202,7 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
     # the cpu profile's methods: every one but GEPA (no LLM) and TRACE top-p, baselines at TRACE's budget
     assert ran == {"base", "grpo_target", "grpo_target_late", "linear_merge", "oracle_route", "trace_argmax",
                    "single_best", "hindsight_route"} | {k for k in ev["methods"] if k.startswith("single_")}
-    assert ev["methods"]["merged_data"]["reason"].startswith("not run in the cpu profile: add 'merged_data'")
+    assert ev["methods"]["merged_data"]["reason"].startswith("left out of the cpu profile: add 'merged_data'")
     # an argmax router takes one of the routes the bound chooses among, so it never solves more
     solved = {k: ev["methods"][k]["overall"]["successes"] for k in ("hindsight_route", "trace_argmax", "oracle_route")}
     assert solved["hindsight_route"] >= max(solved["trace_argmax"], solved["oracle_route"])

@@ -155,7 +155,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         if method not in wanted:  # what runs it beats why it could not have run
             trained = {"grpo_target": "train.baselines", "grpo_target_late": "train.baselines",
                        "merged_data": "train.baselines", "distilled": "train.distill.iterations"}.get(method)
-            reason = (f"not run in the {params.profile} profile: add {method!r} to evaluate.methods"
+            reason = (f"left out of the {params.profile} profile: add {method!r} to evaluate.methods"
                       + (f" (and set {trained})" if trained else "") + (f"; {reason}" if reason else ""))
         specs.append((method, key, label, reason, routing_for, budget_n, source, prompts))
 
