@@ -19,8 +19,10 @@ Two deliberate departures, both documented in the reward info:
   drops commas. The rules analyst uses the same matcher.
 
 Tool results leave out null and empty fields (`without_empty_fields`; τ²-bench shows them): a 135M model reads
-the record's values with less in between, and the prompt is shorter. Resets are cheap: the 2.8 MB database is loaded once per process; an episode gets shallow copies of
-the top-level tables and deep-copies an order or user only right before a write tool touches it.
+the record's values with less in between, and the prompt is shorter.
+
+Resets are cheap: the 2.8 MB database is loaded once per process; an episode gets shallow copies of the top-level
+tables and deep-copies an order or user only right before a write tool touches it.
 """
 
 from __future__ import annotations

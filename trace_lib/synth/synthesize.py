@@ -115,7 +115,8 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
                                     "use an LLM synthesizer (synthesize.backend)")
         max_attempts = 1
         if kinds is None:
-            behind = {e.task_id for e in evidence if e.id in set(cap.evidence)}
+            cited = set(cap.evidence)
+            behind = {e.task_id for e in evidence if e.id in cited}
             kinds = template_kinds(cap.id, target, [t.model_dump(mode="json") for t in
                                                     load_tasks(params.env, params.rollout.split, root) if t.id in behind])
     else:

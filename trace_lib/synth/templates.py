@@ -35,6 +35,7 @@ from functools import lru_cache
 from typing import Any
 
 from trace_lib.capabilities import CAPABILITY_TAGS
+from trace_lib.envs.base import LIMIT_ENDINGS
 from trace_lib.synth import templates_phone, templates_read, templates_write
 from trace_lib.synth.template_kit import DIFFICULTY, Checks, Episode, Template, pool
 from trace_lib.synth.world import TargetWorld, target_tool_kinds, target_tool_schemas
@@ -102,10 +103,11 @@ class BoundTemplate:
         return state.call(name, arguments)
 
     def evaluate(self, trajectory: dict[str, Any], task: dict[str, Any], state: TargetWorld) -> int | dict[str, Any]:
-        """The template's rubric (`trace_lib.synth.rubric`); 0 for an episode cut off by a limit."""
+        """The template's rubric (`trace_lib.synth.rubric`); 0 for an episode cut off by a limit or a repeated
+        call."""
         task = _plain(task)
         ep = Episode(trajectory, self.kinds)
-        if ep.termination in ("max_steps", "max_errors"):
+        if ep.termination in LIMIT_ENDINGS:
             return 0
         return self.template.check(ep, task, Checks(ep, task, state, self.target))
 

@@ -23,6 +23,7 @@ import random
 from functools import lru_cache
 from typing import Any
 
+from trace_lib.envs.base import LIMIT_ENDINGS
 from trace_lib.envs.phone import scenarios
 from trace_lib.envs.phone.env import replay_snapshots
 from trace_lib.envs.phone.milestones import score_scenario
@@ -140,8 +141,9 @@ class BoundPhoneTemplate:
         return phone_call(state, name, arguments)
 
     def evaluate(self, trajectory: dict[str, Any], task: dict[str, Any], state: Any) -> int | dict[str, Any]:
-        """The milestones as rubric steps, the minefields as a gate; 0 for an episode cut off by a limit."""
-        if trajectory.get("termination") in ("max_steps", "max_errors"):
+        """The milestones as rubric steps, the minefields as a gate; 0 for an episode cut off by a limit or a
+        repeated call."""
+        if trajectory.get("termination") in LIMIT_ENDINGS:
             return 0
         task = task.model_dump(mode="json") if hasattr(task, "model_dump") else task
         return phone_rubric(trajectory, task["meta"])

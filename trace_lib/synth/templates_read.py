@@ -67,6 +67,13 @@ def _total_paid(order, oid: str) -> tuple[str, str, str]:
     return (f"how much did I pay in total for order {oid}", amount, f"You paid {amount} in total for order {oid}.")
 
 
+def _tracking_number(order, oid: str) -> tuple[str, str, str]:
+    """(question, value, answer) for the first tracking number of an order's only fulfilment: asked by
+    structured_data_reasoning and by communicate_result's tracking kind."""
+    tid = order.fulfillments[0].tracking_id[0]
+    return (f"what is the tracking number of order {oid}", tid, f"The tracking number of order {oid} is {tid}.")
+
+
 def _nested_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
     """(question, value, answer) for facts nested inside the order record: at most one of each kind
     (item price, tracking number, amount paid, item option), kinds in random order given `rng`."""
@@ -77,9 +84,7 @@ def _nested_facts(db, oid: str, rng: random.Random | None) -> list[tuple[str, An
         kinds.append([(f"how much did the {it.name} in order {oid} cost", money(it.price),
                        f"The {it.name} in order {oid} cost {money(it.price)}.") for it in uniq])
     if len(order.fulfillments) == 1 and order.fulfillments[0].tracking_id:
-        tid = order.fulfillments[0].tracking_id[0]
-        kinds.append([(f"what is the tracking number of order {oid}", tid,
-                       f"The tracking number of order {oid} is {tid}.")])
+        kinds.append([_tracking_number(order, oid)])
     if len(order.payment_history) == 1:
         kinds.append([_total_paid(order, oid)])
     kinds.append([(f"what {key} is the {it.name} in order {oid}", str(it.options[key]),
@@ -219,7 +224,8 @@ def _fact_of_kind(kind: str, max_items: int | None = None):
         if max_items is not None and len(order.items) > max_items:
             return []
         if kind == "tracking":
-            return [f for f in _nested_facts(db, oid, None) if f[0].startswith("what is the tracking number")]
+            one = len(order.fulfillments) == 1 and order.fulfillments[0].tracking_id
+            return [_tracking_number(order, oid)] if one else []
         if kind == "total":
             return [_total_paid(order, oid)] if len(order.payment_history) == 1 else []
         index = {"status": 0, "items": 1, "city": 2}[kind]
