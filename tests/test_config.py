@@ -62,6 +62,10 @@ def test_profile_overrides_lists_only_values_that_differ():
         ({"profile": "tpu"}, "profile"),
         ({"train": {"prompt_grad": False, "shared_prompt": False}},
          "train.prompt_grad: false needs train.shared_prompt"),
+        ({"env": {"test_fraction": 0.6, "validation_fraction": 0.4}}, "validation_fraction (0.4) must be below 1"),
+        ({"env": {"name": "phone", "validation_fraction": 0.2}}, "env.validation_fraction: only the built-in"),
+        ({"env": {"validation_fraction": 0.0}, "evaluate": {"router": "auto"}},
+         "evaluate.router: 'auto' chooses the router on the validation split"),
     ],
 )
 def test_bad_keys_and_types_name_the_key(data, key):

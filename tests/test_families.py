@@ -86,6 +86,27 @@ def test_splits_share_no_user_or_order(db):
     assert 0.4 < share < 0.6
 
 
+def test_a_validation_split_takes_train_users_and_leaves_the_test_split_as_it_was(db):
+    plain = EnvConfig(families=["order_status", "order_total"], tasks_per_family=4)
+    held = plain.model_copy(update={"validation_fraction": 0.2})
+    assert build_tasks(held, "test") == build_tasks(plain, "test")
+    splits = {s: build_tasks(held, s) for s in ("train", "validation", "test")}
+    users = {s: {t.meta["user_id"] for t in ts} for s, ts in splits.items()}
+    assert users["validation"] and users["train"].isdisjoint(users["validation"])
+    assert users["test"].isdisjoint(users["validation"])
+    assert all(t.split == "validation" and t.id.startswith(f"{t.family}-validation-") for t in splits["validation"])
+    assert [t.split for t in build_tasks(held, "all")] == ["train"] * 8 + ["validation"] * 8 + ["test"] * 8
+    assert "validation" not in {t.split for t in build_tasks(plain, "all")}
+    share = sum(user_split(0, u, 0.5, 0.2) == "validation" for u in db.users) / len(db.users)
+    assert 0.15 < share < 0.25
+    assert [user_split(0, u, 0.5) == "test" for u in db.users] == [
+        user_split(0, u, 0.5, 0.2) == "test" for u in db.users]
+    with pytest.raises(ValueError, match="env.validation_fraction above 0"):
+        build_tasks(plain, "validation")
+    sized = held.model_copy(update={"validation_tasks_per_family": 3})
+    assert len(build_tasks(sized, "validation")) == 6
+
+
 def test_family_selection_and_errors(db):
     tasks = build_tasks(EnvConfig(families=["order_total"], tasks_per_family=2), "test")
     assert [t.family for t in tasks] == ["order_total"] * 2

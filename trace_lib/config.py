@@ -99,7 +99,12 @@ class EnvConfig(Section):
     """Tasks per family in the test split (None: `tasks_per_family`). A family's first tasks do not change with
     the count, so a larger test split holds the smaller one."""
     test_fraction: float = Field(0.5, gt=0, lt=1)
-    """Share of generated tasks held out for evaluation."""
+    """Share of users (and so of generated tasks) held out for evaluation."""
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+    """Share of users held out for choices made before the test split is read (the router); built-in retail
+    only. 0: no validation split, and the train and test splits are the same as without one."""
+    validation_tasks_per_family: int | None = Field(None, ge=1)
+    """Tasks per family in the validation split (None: `tasks_per_family`)."""
     max_steps: int = Field(8, ge=1)
     """Agent turns before the episode is cut off (scores 0). τ² envs count as τ²-bench does: every
     agent message, batch of tool results and user message is a step (τ²'s own default is 200)."""
@@ -125,10 +130,19 @@ class EnvConfig(Section):
     """Longest tool result passed to the agent; a longer one is cut with a marker."""
 
     def per_family(self, split: str) -> int:
-        """Tasks per family in `split` ('train' or 'test')."""
+        """Tasks per family in `split` ('train', 'validation' or 'test')."""
         if split == "test" and self.test_tasks_per_family is not None:
             return self.test_tasks_per_family
+        if split == "validation" and self.validation_tasks_per_family is not None:
+            return self.validation_tasks_per_family
         return self.tasks_per_family
+
+    @model_validator(mode="after")
+    def _splits_fit(self) -> EnvConfig:
+        if self.test_fraction + self.validation_fraction >= 1:
+            raise ValueError(f"test_fraction ({self.test_fraction}) + validation_fraction "
+                             f"({self.validation_fraction}) must be below 1: the train split needs users")
+        return self
 
 
 class RolloutConfig(Section):
@@ -510,12 +524,13 @@ class EvaluateConfig(Section):
     """TRACE rows: 'argmax' (one adapter or none), 'top_p' (α-weighted merge of the top-p labels), or both."""
     top_p: float = Field(0.9, gt=0, le=1)
     """Probability mass the top-p router keeps (the none-label's share stays with the base model)."""
-    router: Literal["logits", "calibrated", "knn"] = "logits"
+    router: Literal["logits", "calibrated", "knn", "auto"] = "logits"
     """What scores TRACE's labels: `logits` (the paper: the base model's label-token probabilities),
     `calibrated` (the same with contextual calibration: divided by the probabilities of content-free
-    openings), or `knn` (the k most similar train tasks vote with the capability the analyst found
-    lacking in their rollouts; `trace_lib.routing.routers`). All three are reported on the train and
-    test splits; this one drives the TRACE rows."""
+    openings), `knn` (the k most similar train tasks vote with the capability the analyst found
+    lacking in their rollouts; `trace_lib.routing.routers`), or `auto`: the one that agrees most with the
+    labels oracle on the validation split (`env.validation_fraction`), never read from the test split. All are
+    reported on the train, validation and test splits; this one drives the TRACE rows."""
     knn_k: int = Field(3, ge=1)
     """`knn` router: neighbours that vote (train tasks; a train task never votes for itself)."""
     oracle: Literal["labels", "tags"] = "labels"
@@ -608,6 +623,16 @@ class Params(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+
+    @model_validator(mode="after")
+    def _validation_split(self) -> Params:
+        if self.env.validation_fraction and self.env.name != "retail":
+            raise ValueError(f"env.validation_fraction: only the built-in retail families have a validation split, "
+                             f"not {self.env.name!r}; set it to 0")
+        if self.evaluate.router == "auto" and not self.env.validation_fraction:
+            raise ValueError("evaluate.router: 'auto' chooses the router on the validation split; set "
+                             "env.validation_fraction above 0 or name a router")
+        return self
 
 
 # Values a profile sets when params.yaml does not. The file's own values win, and `load_params` warns

@@ -235,6 +235,12 @@ class Paths:
         return self.evaluate / "oracle_labels.jsonl"
 
     @property
+    def validation_labels(self) -> Path:
+        """`data/evaluate/validation_labels.jsonl`: the analyst's labels of the base model's validation episodes
+        (the labels oracle the routers are chosen against, `evaluate.router: auto`)."""
+        return self.evaluate / "validation_labels.jsonl"
+
+    @property
     def oracle_llm(self) -> Path:
         return self.evaluate / "oracle_llm.jsonl"
 

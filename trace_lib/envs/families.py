@@ -7,8 +7,8 @@ reports for τ²-bench (structured data reasoning, multi-step completion, precon
 tool-calling precision, adversarial policy compliance), from a single lookup whose answer must be
 said to the user up to authenticated writes with preconditions and confirmation.
 
-Determinism and split: users are assigned to train or test by a hash of (seed, user id), so the two
-splits never share a user, nor any order of a user. A family's candidate entities in a split are
+Determinism and split: users are assigned to train, validation (`env.validation_fraction`, none by default) or
+test by a hash of (seed, user id), so no two splits share a user, nor any order of a user. A family's candidate entities in a split are
 shuffled with a seed made of (seed, family, split); task i uses the i-th entity and its own
 `random.Random(seed, family, split, i)` for wording, so task i does not change when
 `tasks_per_family` grows.
@@ -26,7 +26,7 @@ from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.config import EnvConfig
 from trace_lib.records import Task, ToolCall, UserScenario
 
-SPLITS = ("train", "test")
+SPLITS = ("train", "validation", "test")
 CANCEL_REASONS = ("no longer needed", "ordered by mistake")
 
 
@@ -262,26 +262,35 @@ def core_tool_names() -> list[str]:
     return sorted(names)
 
 
-def user_split(seed: int, user_id: str, test_fraction: float) -> str:
-    """'train' or 'test' for a user: a stable hash, so a user (and their orders) is in one split."""
+def user_split(seed: int, user_id: str, test_fraction: float, validation_fraction: float = 0.0) -> str:
+    """'train', 'validation' or 'test' for a user: a stable hash, so a user (and their orders) is in one split.
+    Validation users come from above the test share, so adding them leaves the test split as it was."""
     digest = hashlib.sha256(f"{seed}:{user_id}".encode()).digest()
-    return "test" if int.from_bytes(digest[:8], "big") / 2**64 < test_fraction else "train"
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    if u < test_fraction:
+        return "test"
+    return "validation" if u < test_fraction + validation_fraction else "train"
 
 
 def _owner(db, entity: str) -> str:
     return db.orders[entity].user_id if entity in db.orders else entity
 
 
-def make_family_tasks(db, family: str, split: str, n: int, seed: int = 0, test_fraction: float = 0.5) -> list[Task]:
-    """The first `n` tasks of one family in one split ('train' or 'test')."""
+def make_family_tasks(db, family: str, split: str, n: int, seed: int = 0, test_fraction: float = 0.5,
+                      validation_fraction: float = 0.0) -> list[Task]:
+    """The first `n` tasks of one family in one split ('train', 'validation' or 'test')."""
     if family not in _BY_NAME:
         raise ValueError(f"env.families: unknown family {family!r}; choose from {sorted(_BY_NAME)}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     fam = _BY_NAME[family]
-    pool = [e for e in fam.pool(db) if user_split(seed, _owner(db, e), test_fraction) == split]
+    if split == "validation" and not validation_fraction:
+        raise ValueError("split 'validation' is empty: set env.validation_fraction above 0")
+    pool = [e for e in fam.pool(db)
+            if user_split(seed, _owner(db, e), test_fraction, validation_fraction) == split]
     if not pool:
-        raise ValueError(f"family {family!r} has no candidates in split {split!r} (test_fraction={test_fraction})")
+        raise ValueError(f"family {family!r} has no candidates in split {split!r} (test_fraction={test_fraction}, "
+                         f"validation_fraction={validation_fraction})")
     random.Random(f"{seed}:{family}:{split}").shuffle(pool)
     if n > len(pool):
         raise ValueError(f"family {family!r} has only {len(pool)} distinct {split} tasks; asked for {n}")
@@ -297,13 +306,15 @@ def make_family_tasks(db, family: str, split: str, n: int, seed: int = 0, test_f
 
 
 def build_family_tasks(db, cfg: EnvConfig, split: str) -> list[Task]:
-    """Tasks of every configured family for 'train', 'test' or 'all' (train then test), easiest first."""
+    """Tasks of every configured family for 'train', 'validation', 'test' or 'all' (train, validation where there
+    is one, then test), easiest first."""
     if split not in SPLITS + ("all",):
-        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+        raise ValueError(f"split must be 'train', 'validation', 'test' or 'all', got {split!r}")
     unknown = [f for f in cfg.families if f not in _BY_NAME]
     if unknown:
         raise ValueError(f"env.families: unknown family {unknown[0]!r}; choose from {sorted(_BY_NAME)}")
     chosen = [f.name for f in FAMILIES if f.name in (cfg.families or FULL_SET)]
-    splits = SPLITS if split == "all" else (split,)
+    splits = tuple(s for s in SPLITS if s != "validation" or cfg.validation_fraction) if split == "all" else (split,)
     return [t for s in splits for fam in chosen
-            for t in make_family_tasks(db, fam, s, cfg.per_family(s), cfg.seed, cfg.test_fraction)]
+            for t in make_family_tasks(db, fam, s, cfg.per_family(s), cfg.seed, cfg.test_fraction,
+                                       cfg.validation_fraction)]

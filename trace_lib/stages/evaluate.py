@@ -11,6 +11,8 @@ scored from its log-probabilities, merges served as concatenated adapters) and w
     data/evaluate/gepa_*                        the GEPA row's prompt and ledgers (`trace_lib.evaluation.gepa`)
     data/evaluate/oracle_labels.jsonl           the analyst's labels of the base model's episodes (the labels
                                                 oracle; `oracle_llm.jsonl`: an LLM analyst's ledger)
+    data/evaluate/validation_labels.jsonl       the same on the validation split (`env.validation_fraction`),
+                                                where `evaluate.router: auto` chooses the router
     reports/tables/{table1,routing,interference,capabilities}.md, table1.csv
     reports/metrics/evaluate.json               rates, CIs, paired tests vs base, budgets, routing quality
     reports/figures/evaluate_*.png              success per method, interference heatmap, routing confusion
@@ -55,7 +57,7 @@ from trace_lib.agent.model import numerics
 from trace_lib.analyst.llm import analyst_client
 from trace_lib.analyst.score import label_trajectories
 from trace_lib.config import EnvConfig, EvaluateConfig, Params
-from trace_lib.envs import graded_reward, load_tasks, make_env, task_split
+from trace_lib.envs import graded_reward, load_tasks, make_env, make_tasks, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation import inputs
@@ -123,6 +125,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     t0 = time.perf_counter()
     paths = Paths(root)
     paths.oracle_labels.unlink(missing_ok=True)  # a previous run's, which this one may not replace
+    paths.validation_labels.unlink(missing_ok=True)
     caps, baselines = inputs.find_adapters(root)
     names = sorted(caps)
     policy = open_policy(params, Path(params.model.out_dir), {**caps, **baselines}, threads=params.rollout.threads)
@@ -214,6 +217,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             no_caps or f"no adapter at {paths.adapter(inputs.DISTILLED, True).relative_to(root)} (train.distill)")
     quality: dict[str, Any] = {}
     routers: dict[str, dict[str, Any]] = {}
+    chosen: str | None = None  # the router behind the TRACE rows
     interference: list[dict[str, Any]] = []
     envs = inputs.synthetic_manifests(root)
     with ExitStack() as stack:
@@ -231,9 +235,14 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
                                       knn).items():
                     test[r] += ds
             train = route_by(policy, train_tasks, candidates, rc, lambda: make_env(params.env), scored, index, knn)
+            if params.env.validation_fraction:
+                for r, q in _validation_routing(policy, params, root, names, candidates, rc, scored, index,
+                                                knn).items():
+                    routers.setdefault(r, {})["validation"] = q
+            chosen = _chosen_router(cfg.router, routers, scored)
             for r in scored:
                 decisions[f"router_{r}"] = test[r]
-            decisions["trace_argmax"] = decisions.pop(f"router_{cfg.router}")
+            decisions["trace_argmax"] = decisions.pop(f"router_{chosen}")
             decisions["trace_top_p"] = with_top_p(decisions["trace_argmax"], cfg.top_p)
         for mode in ("argmax", "top_p"):
             key = f"trace_{mode}"
@@ -263,14 +272,15 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             for r in scored:
                 routers[r] = {"train": routing_quality(train[r], train_tasks, names, cfg.seed, train_solved,
                                                        oracle=train_oracle),
+                              **routers.get(r, {}),
                               "test": routing_quality(test[r], tasks, names, cfg.seed, base_solved, solvers,
                                                       oracle=test_oracle)}
-            quality = routers[cfg.router]["test"]
+            quality = routers[chosen]["test"]
         if cfg.interference_seeds and boxes:
             interference = interference_matrix(policy, names, _interference_envs(boxes, params, cfg), rcfg, cfg.seed,
                                                progress, together=cfg.decode_together)
     metrics = _write_reports(runs, targets, decisions, quality, interference, budget, cfg, paths,
-                             extra={"routers": routers, "analysis_rollouts": budget["discovery"],
+                             extra={"routers": routers, "router": chosen, "analysis_rollouts": budget["discovery"],
                                     "policy_id": policy.policy_id, "adapters": names, "baselines": sorted(baselines),
                                     "numerics": numerics(policy.device),
                                     **({"gepa": gepa_record} if gepa_record else {}),
@@ -334,11 +344,12 @@ def _train_side(root: Path, params: Params, names: list[str]
 
 
 def _lacking_on_base(params: Params, root: Path, names: list[str], base: Sequence[Trajectory],
-                     targets: Sequence[tuple[EnvConfig, Sequence[Task]]]) -> dict[str, str | None]:
-    """The labels oracle on the evaluation split: the analyst (`analyst`, `score.n_runs` for an LLM) labels
-    the base model's episodes for the capabilities with an adapter, and each task goes to the one labelled
-    LACKING (most often; ties to the score stage's ranking), none where none is. The labels are written to
-    data/evaluate/oracle_labels.jsonl."""
+                     targets: Sequence[tuple[EnvConfig, Sequence[Task]]], out: Path | None = None
+                     ) -> dict[str, str | None]:
+    """The labels oracle on a split: the analyst (`analyst`, `score.n_runs` for an LLM) labels the base model's
+    episodes for the capabilities with an adapter, and each task goes to the one labelled LACKING (most often;
+    ties to the score stage's ranking), none where none is. The labels are written to `out` (None: the
+    evaluation split's, data/evaluate/oracle_labels.jsonl)."""
     paths = Paths(root)
     caps = inputs.kept_capabilities(root, names)
     client = analyst_client(params.analyst, paths.oracle_llm, root, params.seed)
@@ -347,8 +358,32 @@ def _lacking_on_base(params: Params, root: Path, names: list[str], base: Sequenc
         ids = {t.id for t in ts}
         labels += label_trajectories([t for t in base if t.task_id in ids], caps, ts, make_env(ecfg).tool_kinds(),
                                      params.score, client, params.seed)
-    write_jsonl(paths.oracle_labels, labels)
+    write_jsonl(out or paths.oracle_labels, labels)
     return lacking_labels(labels, {t.id: t.task_id for t in base}, _capability_order(root, names))
+
+
+def _validation_routing(policy: Any, params: Params, root: Path, names: list[str],
+                        candidates: list[RouteCandidate], rc: EvaluateConfig, scored: list[str],
+                        index: RetrievalIndex | None, knn: KnnRouter | None) -> dict[str, dict[str, Any]]:
+    """Each router's agreement with the labels oracle on the validation split: the base model plays each
+    validation task once (the evaluation's settings), the analyst labels its episodes
+    (data/evaluate/validation_labels.jsonl) and every router routes the tasks."""
+    paths = Paths(root)
+    tasks = make_tasks(params.env, "validation")
+    factory = lambda: make_env(params.env)  # noqa: E731
+    base = evaluate_policy(policy, tasks, factory, eval_rollout_config(params.rollout, rc), rc.seed, None, False)
+    oracle = _lacking_on_base(params, root, names, base, [(params.env, tasks)], paths.validation_labels)
+    solved = {t.task_id for t in base if t.success}
+    routed = route_by(policy, tasks, candidates, rc, factory, scored, index, knn)
+    return {r: routing_quality(routed[r], tasks, names, rc.seed, solved, oracle=oracle) for r in scored}
+
+
+def _chosen_router(router: str, routers: Mapping[str, Mapping[str, Any]], scored: Sequence[str]) -> str:
+    """`router`, or for 'auto' the scored router with the highest validation accuracy (ties: `ROUTERS`' order)."""
+    if router != "auto":
+        return router
+    accuracy = {r: routers.get(r, {}).get("validation", {}).get("router_accuracy") for r in scored}
+    return max(scored, key=lambda r: (-1.0 if accuracy[r] is None else accuracy[r], -list(ROUTERS).index(r)))
 
 
 def _interference_envs(boxes: Mapping[str, Any], params: Params, cfg: EvaluateConfig) -> dict:
