@@ -7,16 +7,23 @@ from test_train import FAST, ScriptedPolicy, kv_tasks
 from toy import KVEnv
 
 from trace_lib.config import CalibrationConfig, TrainConfig
-from trace_lib.training.calibrate import CALIBRATION_SEED0, Setting, calibrate, calibration_ladder, judge
+from trace_lib.training.calibrate import CALIBRATION_SEED0, Setting, calibrate, judge, ladder, next_rung
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.hints import reference_steps
 from trace_lib.training.trainer import load_trainable
 
 
-def test_the_ladder_goes_down_in_difficulty_opening_first():
-    assert calibration_ladder(1, 10) == [Setting(1, False), Setting(1, True), Setting(0, False), Setting(0, True)]
-    assert calibration_ladder(2, 3) == [Setting(2, False), Setting(2, True), Setting(1, False)]
-    assert [s.start for s in calibration_ladder(0, 2)] == ["opening", "reads played"]
+def test_the_ladder_runs_easiest_first_and_each_step_moves_toward_the_band():
+    rungs = ladder(0, 2)
+    assert rungs[:3] == [Setting(0, True), Setting(0, False), Setting(1, True)] and rungs[-1] == Setting(2, False)
+    assert [s.start for s in ladder(1, 1)] == ["reads played", "opening"]
+    cfg = CalibrationConfig(success_lo=0.1, success_hi=0.6)  # the band's middle: 0.35
+    at = Setting(1, False)
+    assert next_rung(rungs, {at: {"success": 0.0}}, at, cfg) == Setting(1, True)  # too hard: play the reads
+    assert next_rung(rungs, {at: {"success": 0.9}}, at, cfg) == Setting(2, True)  # too easy: the next difficulty
+    assert next_rung(rungs, {at: {"success": 0.9}, Setting(2, True): {"success": 0.0}}, at, cfg) is None
+    assert next_rung(rungs, {rungs[0]: {"success": 0.0}}, rungs[0], cfg) is None  # nothing easier
+    assert next_rung(rungs, {rungs[-1]: {"success": 1.0}}, rungs[-1], cfg) is None  # nothing harder
 
 
 def test_judge_needs_the_rate_in_band_and_enough_mixed_groups():
@@ -60,6 +67,13 @@ def test_no_setting_in_band_is_a_reason_listing_every_attempt(scripted):
     assert not out["ok"] and out["difficulty"] is None and out["rollouts"] == 18 and asked == [1, 1, 0]
     assert [(a["difficulty"], a["start"]) for a in out["attempts"]] == [(1, "opening"), (1, "reads played"),
                                                                        (0, "opening")]
+    # a band no success rate reaches from below: the walk goes up to the generator's hardest setting, then stops
+    asked.clear()
+    cfg = CalibrationConfig(seeds=3, samples=2, success_lo=0.0, success_hi=0.0, min_mixed=0.0, max_attempts=9)
+    out = calibrate(scripted, _source_at(asked), cfg, TrainConfig(**FAST), 1, seed=0, difficulties=(0, 2))
+    assert not out["ok"] and asked == [1, 2, 2] and out["attempts"][0]["success"] > 0
+    assert [(a["difficulty"], a["start"]) for a in out["attempts"]] == [(1, "opening"), (2, "reads played"),
+                                                                       (2, "opening")]
     assert out["reason"].startswith("no setting in band") and out["reason"].count("difficulty") == 3
     assert [a["rollouts"] for a in out["attempts"]] == [6, 6, 6] and not any(a["in_band"] for a in out["attempts"])
     assert CALIBRATION_SEED0 > TrainConfig().seed_offset

@@ -162,7 +162,7 @@ def test_merge_with_the_analyst_keeps_forgotten_proposals():
 
 
 def _params(tmp_path):
-    return params_from_dict({"env": {"tasks_per_family": 2}, "analyst": {"backend": "rules"},
+    return params_from_dict({"env": {"families": [], "tasks_per_family": 2}, "analyst": {"backend": "rules"},
                              "discover": {"batch_size": 10, "runs": 2}, "score": {"n_boot": 200}})
 
 

@@ -90,6 +90,9 @@ def test_router_quality_table_has_a_column_per_router_and_split():
     row = df.set_index("metric").loc["router_accuracy"]
     assert row["logits (test)"] == "0.5" and row["knn (test)"] == "not run"
     assert list(router_quality_table(q).columns) == ["metric", "value"]
+    held = router_quality_table(q, {"logits": {"train": q, "validation": q, "test": q}, "knn": {"note": "no labels"}})
+    assert list(held.columns) == ["metric", "logits (train)", "logits (validation)", "logits (test)", "knn (train)",
+                                  "knn (validation)", "knn (test)"]
 
 
 def test_route_decision_records_its_router():

@@ -20,7 +20,7 @@ from trace_lib.io import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = ("score_error_rates.png", "score_delta_coverage.png", "score_stability.png")
-PARAMS = {"env": {"tasks_per_family": 2}, "analyst": {"backend": "rules"},
+PARAMS = {"env": {"families": [], "tasks_per_family": 2}, "analyst": {"backend": "rules"},
           "discover": {"batch_size": 8}, "score": {"n_boot": 200}}
 
 pytestmark = pytest.mark.e2e

@@ -152,7 +152,10 @@ def test_several_notebooks_run_in_order_under_one_root(tmp_path: Path):
 def tiny_params(model_id: str, out_dir: str = "data/model") -> dict:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["model"].update({"id": model_id, "out_dir": out_dir})
-    params["env"].update({"tasks_per_family": 1, "max_steps": 3})
+    params["env"].update({"tasks_per_family": 1, "test_tasks_per_family": 1, "validation_tasks_per_family": 1,
+                          "max_steps": 3})
+    # a tiny random model is in no calibration band: the environments would all be dropped
+    params["synthesize"]["calibration"] = {"enabled": False}
     params["rollout"].update({"samples_per_task": 1, "max_new_tokens": 24, "batch_size": 4, "threads": 1})
     return params
 
@@ -223,7 +226,7 @@ def test_dvc_exp_run_set_param(exp_repo: Path):
     data = exp["revs"][0]["data"]
     assert data["params"]["params.yaml"]["data"]["rollout"]["temperature"] == 0.9
     metrics = data["metrics"]["reports/metrics/rollout.json"]["data"]
-    assert metrics["temperature"] == 0.9 and metrics["n"] == 7 and 0 <= metrics["success_rate"] <= 1
+    assert metrics["temperature"] == 0.9 and metrics["n"] == 4 and 0 <= metrics["success_rate"] <= 1
 
 
 @pytest.mark.e2e

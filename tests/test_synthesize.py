@@ -26,8 +26,12 @@ FIXTURES = Path(__file__).parent / "synth_fixtures"
 GOOD = (FIXTURES / "good_lookup.py").read_text()
 
 
+NO_CALIBRATION = {"calibration": {"enabled": False}}
+"""The cpu profile calibrates each environment with the prepared model; these tests have none."""
+
+
 def _params(**synth):
-    return params_from_dict({"analyst": {"backend": "rules"}, "synthesize": synth})
+    return params_from_dict({"analyst": {"backend": "rules"}, "synthesize": {**NO_CALIBRATION, **synth}})
 
 
 def _cap(cid: str) -> Capability:
@@ -57,7 +61,7 @@ def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
     from trace_lib.envs import make_tasks
     from trace_lib.records import Trajectory
 
-    params = params_from_dict({"analyst": {"backend": "rules"},
+    params = params_from_dict({"analyst": {"backend": "rules"}, "synthesize": NO_CALIBRATION,
                                "env": {"families": ["order_total", "order_tracking"], "tasks_per_family": 2}})
     tasks = make_tasks(params.env, "train")
     write_jsonl(tmp_path / "data/rollouts/tasks-train.jsonl", tasks)
@@ -97,7 +101,8 @@ def test_an_environment_no_setting_calibrates_is_dropped_and_its_rollouts_charge
 
 
 def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):
-    params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "tau2-airline"}})
+    params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "tau2-airline"},
+                               "synthesize": NO_CALIBRATION})
     manifest = synthesize_env(_cap("communicate_result"), "template", params, tmp_path)
     assert not manifest.valid and "not 'tau2-airline'" in manifest.reason
 

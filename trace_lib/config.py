@@ -293,8 +293,8 @@ class CalibrationConfig(Section):
     min_mixed: float = Field(0.40, ge=0, le=1)
     """Smallest share of seeds whose episodes hold both a success and a failure."""
     max_attempts: int = Field(4, ge=1)
-    """Settings tried (each difficulty from `synthesize.difficulty` down, from the opening, then with the reads
-    played) before the environment is dropped."""
+    """Settings tried before the environment is dropped: from the opening at `synthesize.difficulty`, each next one a
+    step easier or harder toward the band (`training.calibrate.next_rung`)."""
 
     @model_validator(mode="after")
     def _band_order(self) -> CalibrationConfig:
@@ -382,7 +382,8 @@ class TrainConfig(Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     lora_layers: int | None = Field(None, ge=1)
     """LoRA on the top k decoder layers only (PEFT's `layers_to_transform`: the last k layer indices); the
-    saved adapter then holds weights for those layers alone. None: every layer."""
+    saved adapter then holds weights for those layers alone. None, or at least the model's layer count: every
+    layer."""
     learning_rate: float = Field(1e-5, gt=0)
     iterations: int = Field(2, ge=1)
     """GRPO iterations (optimizer steps); each samples `groups` seeds x `group_size` rollouts."""
@@ -639,49 +640,35 @@ class Params(Section):
 # about each one that replaces a value of the chosen profile (`profile_overrides`), so a file written for
 # one profile cannot silently pin another profile's sizes.
 PROFILES: dict[str, dict[str, Any]] = {
-    # The CPU default: SmolLM2-135M on 2 cores, the whole pipeline in well under an hour.
+    # The CPU default: SmolLM2-135M on 2 cores; on the built-in retail target, the planted testbed (`TESTBED`)
     "cpu": {
-        # dtype auto: weights stored in bf16; computed in bf16 where it is faster than fp32 (AMX; AVX-512 bf16 on
-        # AMD), in fp32 elsewhere: an AVX2-only CPU (bf16 falls back to a reference GEMM, 2.4-6.1x slower than
-        # fp32) and an Intel CPU with AVX-512 bf16 but no AMX (1.53x fp32's time at 256 rows; benchmarks/README.md:
-        # linear_dtype, 2026-11-28 and 2026-11-29). The CPU even where a GPU is present (the
-        # default's bytes). Tools listed as signatures: the retail system turn 1,180 tokens instead of 1,833
-        # (benchmarks/README.md: tool formats, 2026-11-28)
+        # fp32 or bf16, whichever this CPU computes faster; tools listed as signatures (fewer prompt tokens)
         "model": {"id": "smollm2-135m", "dtype": "auto", "device": "cpu", "tool_format": "signature"},
-        # 7 families x 2 = 14 tasks per split; an episode ends at a repeated call (a looping episode is the costliest)
+        # an episode ends at a repeated call (a looping episode is the costliest)
         "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4, "end_on_repeated_call": True},
-        # temperature 0.3 and a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted.
-        # 16 episodes per batch: a decoding step streams every weight once whatever the rows, so 16 rows cost
-        # ~1.2-1.4x a step of 8, and the rollout stage's work took 105 s against 175-233 s at 8 (2026-11-27,
-        # benchmarks/README.md: rollout_batch.py); the evaluate stage decodes a method's 14 tasks as one batch
+        # a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted
         "rollout": {"samples_per_task": 2, "temperature": 0.3, "max_new_tokens": 96, "batch_size": 16,
                     "constrained": True, "tool_choice": "first"},
-        # difficulty 0: at 1 the CPU model solved none of 16 training episodes, so GRPO had no signal
-        "synthesize": {"difficulty": 0, "validation": {"band": False}},
-        # 2 groups of 4: at 1 group every group had identical rewards; two steps at the paper's lr 1e-5
-        # left greedy behaviour unchanged, at 5e-4 they move it
-        # base weights as model.dtype (auto: bf16 where it is faster; LoRA weights stay fp32): on a Zen 5 EPYC the
-        # shared-prompt pass is ~2x faster in bf16 than in fp32
-        # GRPO on target and its start-state ablation at TRACE's budget; merged data and the distilled student
-        # run in the gpu and paper profiles (each cost as much training as TRACE's adapters together)
-        "train": {"groups": 2, "temperature": 0.8, "learning_rate": 5e-4, "dtype": "auto",
-                  "baselines": ["grpo_target", "grpo_target_late"], "distill": {"iterations": 0}},
-        # evaluate on CPU: greedy episodes of every method but GEPA (it needs an LLM reflection model) and
-        # TRACE's top-p rows; methods that pick the same weights for a task share its episode.
-        # router chosen on the train split, against the oracle of the capability labelled lacking (2026-11-29
-        # run at d2c4fb2): knn 7/14, calibrated 5/14, logits 3/14 (raw label logits send every task to "none");
-        # against the task tags (2026-11-25) calibrated had led, 0.50 to knn's 0.21
-        # every method's episodes in one batch, rows under different weights: 460 s against 551 s method by
-        # method on this split (2026-11-28, benchmarks/README.md: evaluate_routes.py)
+        # each environment fitted to the base model before training, or dropped with the reason
+        "synthesize": {"difficulty": 0, "validation": {"band": False},
+                       "calibration": {"enabled": True, "seeds": 6, "samples": 8, "max_attempts": 3}},
+        # G4 x K8 at T 0.5, LoRA on the top 8 layers; GRPO on target and its reads-played ablation at TRACE's total
+        "train": {"iterations": 3, "groups": 4, "group_size": 8, "temperature": 0.5, "learning_rate": 5e-4,
+                  "lora_layers": 8, "dtype": "auto", "baselines": ["grpo_target", "grpo_target_late"],
+                  "distill": {"iterations": 0}},
+        # greedy episodes of every method but GEPA (needs an LLM), merged data and the student (gpu, paper)
         "evaluate": {"methods": ["base", "grpo_target", "grpo_target_late", "linear_merge", "single", "oracle_route",
                                  "trace"], "route_mode": "argmax", "interference_seeds": 2,
-                     "router": "knn", "decode_together": True},
-        # budget points: TRACE at 0, 36, 44, 52 and 60 rollouts (the base model; communicate_result's
-        # iteration-1 snapshot; both at iteration 1; communicate_result final; the final adapters), GRPO on
-        # target at 0, 16, 32, 40, 48 and 56. A point decodes the tasks whose adapter is at a snapshot no
-        # earlier point played (~5 s per task) unless that snapshot is still the base model; every one of
-        # GRPO's 7 snapshots took 9 min (2026-11-26)
-        "scaling": {"budgets": [16, 32, 36, 44, 52, 60]},
+                     "router": "knn", "decode_together": True, "batch_size": 32},
+        "scaling": {"budgets": [200, 400]},
+        "testbed": {
+            # four one-lookup families: order_status (the control the base model solves) and three planted
+            # deficits; 24 train, 16 validation and 48 test tasks; the router chosen on validation
+            "env": {"families": ["order_status", "order_total", "order_tracking", "refuse_cancel"],
+                    "tasks_per_family": 6, "validation_fraction": 0.15, "validation_tasks_per_family": 4,
+                    "test_tasks_per_family": 12},
+            "evaluate": {"router": "auto"},
+        },
     },
     # SmolLM2-135M (the only real weights these machines have) on one GPU, at the budgets a plain GRPO loop
     # needed there to teach it a one-turn skill (320-640 rollouts, lr 2e-4-5e-4, hint swap): 640 rollouts per
@@ -715,6 +702,21 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
+TESTBED = "testbed"
+"""A profile's key for the values it sets only on the built-in retail target (`profile_values`): the cpu profile's
+planted testbed. Another target (`env.name`: phone, τ²) keeps the rest of the profile."""
+
+
+def profile_values(profile: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The values profile `profile` sets for params `data`: its own, with its `TESTBED` values on top where the
+    target is the built-in retail environment."""
+    prof = {k: v for k, v in PROFILES.get(profile, {}).items() if k != TESTBED}
+    env = data.get("env") if isinstance(data.get("env"), dict) else {}
+    if env.get("name", prof.get("env", {}).get("name", "retail")) == "retail":
+        prof = _merge(prof, PROFILES.get(profile, {}).get(TESTBED, {}))
+    return prof
+
+
 def profile_overrides(data: dict[str, Any], profile: str | None = None) -> dict[str, tuple[Any, Any]]:
     """Dotted keys whose value in `data` replaces a different value of the profile's:
     `{"train.iterations": (40, 2)}` (profile's value, the file's)."""
@@ -730,7 +732,7 @@ def profile_overrides(data: dict[str, Any], profile: str | None = None) -> dict[
             elif given[key] != value:
                 out[f"{prefix}{key}"] = (value, given[key])
 
-    walk(PROFILES.get(profile, {}), data, "")
+    walk(profile_values(profile, data), data, "")
     return out
 
 
@@ -761,7 +763,7 @@ def params_from_dict(data: dict[str, Any], source: str = "params") -> Params:
     if profile not in PROFILES:
         raise ConfigError(f"{source}: profile: must be one of {sorted(PROFILES)}, got {profile!r}")
     try:
-        params = Params.model_validate(_merge(PROFILES[profile], data))
+        params = Params.model_validate(_merge(profile_values(profile, data), data))
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
     for key, (theirs, ours) in profile_overrides(data, profile).items():

@@ -282,14 +282,17 @@ ROUTER_METRICS = ("tasks", "scored", "router_accuracy", "random_accuracy", "rand
 def router_quality_table(quality: dict[str, Any], routers: dict[str, dict[str, Any]] | None = None) -> pd.DataFrame:
     """Router accuracy against the oracle (capability tags), a random and a constant router's: one
     `value` column for `quality`, or one column per router and split when `routers`
-    ({router: {"train": quality, "test": quality} or {"note": why not run}}) is given."""
+    ({router: {"train": quality, "validation": quality, "test": quality} or {"note": why not run}}; validation
+    where any router has it) is given."""
     def fmt(v: Any) -> str:
         return EMPTY if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 
     if not routers:
         return pd.DataFrame([{"metric": k, "value": fmt(quality.get(k))} for k in ROUTER_METRICS],
                             columns=["metric", "value"])
-    columns = {f"{name} ({split})": res.get(split, {}) for name, res in routers.items() for split in ("train", "test")}
+    splits = [s for s in ("train", "validation", "test") if s != "validation"
+              or any("validation" in res for res in routers.values())]
+    columns = {f"{name} ({split})": res.get(split, {}) for name, res in routers.items() for split in splits}
     rows = [{"metric": k, **{col: fmt(q.get(k)) if q else "not run" for col, q in columns.items()}}
             for k in ROUTER_METRICS]
     return pd.DataFrame(rows, columns=["metric", *columns])

@@ -70,8 +70,10 @@ def calibrated(manifest: SyntheticEnvManifest, params: Params, root: Path, polic
     """`manifest` with its calibration (`training.calibrate`): the difficulty it trains at, or, where no setting is
     in band, not valid, its module removed and the reason recorded. Every episode played goes to `ledger`."""
     with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
+        knob = box.meta["DIFFICULTY"]
         result = calibrate(policy, lambda d: synthetic_source(box, manifest.capability_id, params, difficulty=d),
-                           params.synthesize.calibration, params.train, params.synthesize.difficulty, params.seed)
+                           params.synthesize.calibration, params.train, params.synthesize.difficulty, params.seed,
+                           (knob["min"], knob["max"]))
     ledger.add("synthesize", result["rollouts"], key=manifest.capability_id)
     env_dir = Paths(root).env_dir(manifest.capability_id)
     if not result["ok"]:

@@ -218,10 +218,15 @@ pending, answered with its status."""
 
 def _fact_of_kind(kind: str, max_items: int | None = None):
     """`facts_of` for `_fact_task` that offers only the order's fact of `kind` (none where the order lacks it, or
-    holds more than `max_items` items: a shorter record to read)."""
+    holds more than `max_items` items: a shorter record to read). The total is asked only of an order of two or
+    more items, whatever `max_items`: in an order of one, saying the item's price would pass for reading the
+    payment."""
     def facts_of(db, oid: str, rng: random.Random | None) -> list[tuple[str, Any, str]]:
         order = db.orders[oid]
-        if max_items is not None and len(order.items) > max_items:
+        if kind == "total":
+            if len(order.items) < 2:
+                return []
+        elif max_items is not None and len(order.items) > max_items:
             return []
         if kind == "tracking":
             one = len(order.fulfillments) == 1 and order.fulfillments[0].tracking_id

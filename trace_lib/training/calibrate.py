@@ -7,9 +7,12 @@ sample 16 rollouts x 100 seeds at T 0.7 and ask for 20–60% success with enough
 CPU. The base model plays `seeds` x `samples` episodes at the training temperature, each one as GRPO would
 sample it. The environment is in band when the success rate lies in [success_lo, success_hi] and at least
 `min_mixed` of the groups hold both a success and a failure (a group of equal rewards teaches nothing). The
-settings are tried in order (`calibration_ladder`): each difficulty from the configured one down to 0, first
-from the opening, then with the reference's leading reads played (the start `train.start_late` trains from).
-Every episode played is a rollout TRACE spends.
+settings lie on one scale of hardness (`ladder`): difficulty 0 with the reference's leading reads played (the
+start `train.start_late` trains from), difficulty 0 from the opening, difficulty 1 with the reads played, and so
+on up to the generator's highest difficulty. Calibration starts from the opening at the configured difficulty and
+steps one rung toward the band after each setting it measures (`next_rung`): easier where the model succeeded
+less than the band's middle, harder where more, never to a rung already measured. Every episode played is a
+rollout TRACE spends.
 """
 
 from __future__ import annotations
@@ -38,10 +41,19 @@ class Setting:
         return "reads played" if self.late else "opening"
 
 
-def calibration_ladder(difficulty: int, max_attempts: int) -> list[Setting]:
-    """The settings tried, in order: each difficulty from `difficulty` down to 0, from the opening, then with the
-    reads played; at most `max_attempts` of them."""
-    return [Setting(d, late) for d in range(difficulty, -1, -1) for late in (False, True)][:max_attempts]
+def ladder(lowest: int, highest: int) -> list[Setting]:
+    """Every setting, easiest first: at each difficulty from `lowest` to `highest`, the reads played, then the
+    opening."""
+    return [Setting(d, late) for d in range(lowest, highest + 1) for late in (True, False)]
+
+
+def next_rung(rungs: list[Setting], measured: dict[Setting, dict[str, Any]], at: Setting,
+              cfg: CalibrationConfig) -> Setting | None:
+    """The rung after `at`, one step toward the band: easier when `at`'s success rate is below the band's middle,
+    harder otherwise; None at the end of the ladder or where that rung was measured already."""
+    middle = (cfg.success_lo + cfg.success_hi) / 2
+    i = rungs.index(at) + (-1 if measured[at]["success"] < middle else 1)
+    return rungs[i] if 0 <= i < len(rungs) and rungs[i] not in measured else None
 
 
 def judge(successes: list[list[bool]], cfg: CalibrationConfig) -> dict[str, Any]:
@@ -72,17 +84,25 @@ def measure(policy: Any, source: TrainSource, setting: Setting, cfg: Calibration
 
 
 def calibrate(policy: Any, source_at: Callable[[int], TrainSource], cfg: CalibrationConfig, train: TrainConfig,
-              difficulty: int, seed: int) -> dict[str, Any]:
-    """Try the ladder's settings until one is in band. Returns `ok`, the setting found (`difficulty`, `start_late`:
-    1.0 where the reads must be played, else `train.start_late`), every attempt, the rollouts spent, and the reason
-    when none fits."""
+              difficulty: int, seed: int, difficulties: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Walk the ladder (`ladder`, `next_rung`) from the opening at `difficulty` until a setting is in band, at most
+    `cfg.max_attempts` settings. Returns `ok`, the setting found (`difficulty`, `start_late`: 1.0 where the reads
+    must be played, else `train.start_late`), every attempt, the rollouts spent, and the reason when none fits.
+    `difficulties`: the generator's lowest and highest (its DIFFICULTY; None: 0 and `difficulty`, so the walk
+    only eases)."""
+    lowest, highest = difficulties if difficulties is not None else (0, difficulty)
+    rungs = ladder(min(lowest, difficulty), max(highest, difficulty))
+    measured: dict[Setting, dict[str, Any]] = {}
     attempts: list[dict[str, Any]] = []
-    for setting in calibration_ladder(difficulty, cfg.max_attempts):
-        attempts.append(measure(policy, source_at(setting.difficulty), setting, cfg, train, seed))
-        if attempts[-1]["in_band"]:
-            return {"ok": True, "difficulty": setting.difficulty,
-                    "start_late": 1.0 if setting.late else train.start_late, "attempts": attempts,
+    at: Setting | None = Setting(difficulty, False)
+    while at is not None and len(attempts) < cfg.max_attempts:
+        measured[at] = measure(policy, source_at(at.difficulty), at, cfg, train, seed)
+        attempts.append(measured[at])
+        if measured[at]["in_band"]:
+            return {"ok": True, "difficulty": at.difficulty,
+                    "start_late": 1.0 if at.late else train.start_late, "attempts": attempts,
                     "rollouts": sum(a["rollouts"] for a in attempts), "reason": ""}
+        at = next_rung(rungs, measured, at, cfg)
     tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, "
                       f"mixed groups {a['mixed_groups']:.2f}" for a in attempts)
     return {"ok": False, "difficulty": None, "start_late": None, "attempts": attempts,

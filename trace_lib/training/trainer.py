@@ -141,7 +141,8 @@ def lora_config(cfg: TrainConfig, model: Any):
 
 
 def top_layers(cfg: TrainConfig, model: Any) -> list[int] | None:
-    """The decoder layer indices `train.lora_layers` puts LoRA on (the last k of the model's), or None for all."""
+    """The decoder layer indices `train.lora_layers` puts LoRA on (the last k of the model's), or None for all (also
+    where k is at least the model's layer count: a profile's k is sized for its own model)."""
     k = cfg.lora_layers
     if k is None:
         return None
@@ -149,9 +150,7 @@ def top_layers(cfg: TrainConfig, model: Any) -> list[int] | None:
     if not n:
         raise ValueError("train.lora_layers needs the model's layer count (config.num_hidden_layers), which "
                          "this model's config does not give")
-    if k > n:
-        raise ValueError(f"train.lora_layers is {k}, but the model has only {n} decoder layers")
-    return list(range(n - k, n))
+    return list(range(n - k, n)) if k < n else None
 
 
 def stable_target_modules(model: Any) -> None:
