@@ -141,3 +141,13 @@ def test_stages_read_the_prepared_model_from_the_working_directory():
             continue
         text = module_file(f"trace_lib.stages.{stage}").read_text(encoding="utf-8")
         assert not re.search(r"root\) ?/ ?(params\.)?model\.out_dir|root ?/ ?params\.model\.out_dir", text), stage
+
+
+def test_no_dated_measurement_in_the_library():
+    """Dated figures belong in docs/LOG.md and benchmarks/README.md; the library says what a thing is. An ISO
+    timestamp (a date followed by 'T', as the phone's worlds use) is data, not a date of a run."""
+    dated = re.compile(r"20\d\d-\d\d-\d\d(?!T)")
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in sorted(LIB.rglob("*"))
+             if path.suffix in (".py", ".md") for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if dated.search(line)]
+    assert not found, "dates in trace_lib (move the measurement to docs/LOG.md):\n" + "\n".join(found)

@@ -477,9 +477,7 @@ class TrainConfig(Section):
     groups x group_size (per process). With several passes per iteration each pass holds whole groups and the
     start all episodes share runs once (`trainer.AgentGRPOTrainer._prepare_inputs`). Gradients are accumulated
     over the iteration (the loss is normalised by the iteration's token count), so only memory, time and float
-    rounding depend on it. On CPU in fp32, 8 episodes per pass (G8 x K4 with a late
-    start) reached 16.5 GB resident and 32 in one pass were killed for memory at 24 GB
-    (benchmarks/README.md: train_step, 2026-11-29)."""
+    rounding depend on it. 0 on CPU: `trainer.CPU_PASS_ROWS` (memory; benchmarks/README.md: train_step)."""
     threads: int = Field(0, ge=0)
     """torch CPU threads (0: torch's default for the update; sampling runs on fewer while other
     processes keep the cores busy, agent/threads.py; n > 0: always n)."""
@@ -552,10 +550,8 @@ class EvaluateConfig(Section):
     """Greedy evaluation with trace's own engine: decode every method's episodes (and the scaling stage's
     every budget point's; the interference matrix's one environment at a time) in one continuously refilled
     batch whose rows run under different weights (`runner.decode_into_memo`, `agent.row_lora`), the routes
-    interleaved, instead of one batch per method.
-    On the CPU default's retail test split (98 episodes) it took 460 s against 551 s method by method, the
-    same successes (benchmarks/README.md: evaluate_routes.py, 2026-11-28); the cpu profile turns it on.
-    Off elsewhere: not measured on a GPU."""
+    interleaved, instead of one batch per method: faster on a CPU, the same successes (benchmarks/README.md:
+    evaluate_routes.py); the cpu profile turns it on. Off elsewhere: not measured on a GPU."""
     methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))
     """Methods to run (others are reported as 'not run'): base, grpo_target, gepa, merged_data,
     linear_merge, single, oracle_route, trace."""
@@ -670,11 +666,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "evaluate": {"router": "auto"},
         },
     },
-    # SmolLM2-135M (the only real weights these machines have) on one GPU, at the budgets a plain GRPO loop
-    # needed there to teach it a one-turn skill (320-640 rollouts, lr 2e-4-5e-4, hint swap): 640 rollouts per
-    # adapter, 56 tasks per split, every method. Not yet run end to end on a GPU: on an H100 (2026-11-25, before
-    # sampling moved onto the GPU) the rollout stage took 3.5 min and training ~95 s per iteration of 64
-    # rollouts, so these budgets need well over 30 min there (README: Running at scale).
+    # SmolLM2-135M on one GPU: 640 rollouts per adapter, 56 tasks per split, every method (README: Running at scale)
     "gpu": {
         "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto", "tool_format": "signature"},
         "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4,  # 7 families x 8 = 56 tasks per split

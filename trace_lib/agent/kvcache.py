@@ -310,9 +310,8 @@ SPLIT_OVERHEAD_KEYS = 2048
 WHOLE_READ_COST = 0.5
 """Cost of a key of one row when the product reads the whole key buffer, per key of a slice of it.
 
-A bf16 product over a slice of the buffers takes a slow path on the CPU: 111 ns per key and row
-against 57 ns over the whole buffer (8 rows, 5k keys, 2 cores, Intel Xeon, 2026-11-26;
-`benchmarks/ragged_history.py`)."""
+A bf16 product over a slice of the buffers takes a slow path on the CPU, about twice the cost per key of a
+product over the whole buffer (`benchmarks/ragged_history.py`)."""
 
 
 def history_split(starts: list[int], length: int) -> int:

@@ -212,8 +212,7 @@ def _omp_wait_policy() -> str:
 def has_bf16_kernels(device: Any) -> bool:
     """Whether bf16 matrix products have fast kernels on `device` (a torch.device): on a CPU, whether oneDNN
     has bf16 kernels for its instruction set (AVX-512 or AMX). Without them torch falls back to a reference
-    GEMM: on a 2-core AVX2 EPYC a prefill block of SmolLM2's linear layers took 6.1x fp32's time in bf16, a
-    16-row decoding step 2.4x (benchmarks/README.md: linear_dtype, 2026-11-28). Having them does not make bf16
+    GEMM several times slower than fp32 (benchmarks/README.md: linear_dtype). Having them does not make bf16
     faster than fp32 everywhere: `bf16_is_faster`."""
     import torch
 

@@ -4,12 +4,10 @@ Reads and writes nothing on disk; `load_policy` installs it on the policy's mode
 
 torch's bf16 `F.linear` on the CPU hands the weight to oneDNN as a plain row-major matrix, and oneDNN
 reorders it into its blocked layout inside every call. At a decoding step's shapes (16 rows, SmolLM2's
-576x576 to 576x1536 projections) that reorder is most of the product's time: the 211 products of one
-step took 19.0 ms with `F.linear` and 10.7 ms with weights reordered once (`_reorder_linear_weight`, the
-packing torch's own inductor uses when it freezes a CPU model), and the lm-head's 49152x576 product 2.8
-against 1.7 ms (2-core AMD EPYC Zen 5, 2026-12-02; benchmarks/README.md, "packed weights"). The packed
-product computes the same kernel on the same blocks: on that machine its outputs were bit for bit those
-of `F.linear` at every row count tried (1 to 1,640). torch.compile would pack the same way but made a
+576x576 to 576x1536 projections) that reorder is most of the product's time, so the weights are reordered
+once (`_reorder_linear_weight`, the packing torch's own inductor uses when it freezes a CPU model;
+benchmarks/README.md, "packed weights"). The packed product computes the same kernel on the same blocks, so
+its outputs are those of `F.linear` (a test checks it). torch.compile would pack the same way but made a
 decoding step slower here (benchmarks/compile_decode.py), so the two oneDNN calls are made directly.
 
 The packed copy is used only where no gradient is recorded (`torch.is_grad_enabled()` false: decoding,

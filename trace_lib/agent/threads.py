@@ -65,10 +65,8 @@ def read_cpu_sample() -> CpuSample | None:
         with open("/proc/self/stat") as f:
             own_fields = f.read().rsplit(")", 1)[1].split()
         # utime + stime + cutime + cstime (fields 14-17 of the whole line): this process's threads and its
-        # waited-for children, i.e. the forked tool calls (envs/limits.py). Counted as other processes' use,
-        # their ~40 ms per call (mostly tearing down the copied address space) kept a whole rollout at one
-        # thread for the long prefill after each turn's tool calls: 268 s against 213 s at a fixed 2 threads
-        # on the idle machine (benchmarks/README.md, 2026-11-25).
+        # waited-for children, i.e. the forked tool calls (envs/limits.py): counted as other processes' use,
+        # they would hold the long prefill after each turn's tool calls at one thread.
         own = sum(int(own_fields[i]) for i in (11, 12, 13, 14))
         allowed = _allowed_cpus()
         busy = total = cpus = 0

@@ -315,10 +315,9 @@ def interference_matrix(policy: Any, adapters: Sequence[str],
 
     `together` (greedy decoding and a policy that can, `routes_in_one_batch`): an environment's episodes of the
     base model and of every adapter are decoded in one batch whose rows run under different weights
-    (`decode_into_memo`), as the methods' are. Weight by weight, each batch held one environment's few seeds
-    (2 rows in the CPU default), and the matrix took 106 of the evaluate stage's 585 s (py-spy, 2-core Zen 4
-    EPYC, 2026-12-02; benchmarks/README.md, "the evaluate stage"). Rows meet other rows, so in bf16 an episode
-    may round differently from the one decoded weight by weight; in fp32 it is the same."""
+    (`decode_into_memo`), as the methods' are: weight by weight, each batch would hold one environment's few
+    seeds (benchmarks/README.md, "the evaluate stage"). Rows meet other rows, so in bf16 an episode may round
+    differently from the one decoded weight by weight; in fp32 it is the same."""
     memo: EpisodeMemo | None = {} if together and rollout_cfg.temperature == 0 else None
     if memo is not None:  # decodes nothing where the policy cannot mix weights: then weight by weight below
         for env_name, (factory, tasks) in envs.items():

@@ -3,11 +3,9 @@
 Used by the train stage (`train.lockstep`) for the capability adapters and the baselines, which train
 independently of one another; reads and writes nothing itself.
 
-Why: a decoding step on the 2-core CPU costs nearly as much for one row as for eight (72 ms against 103 ms,
-~2.5k-token contexts, SmolLM2 with a LoRA adapter; 2026-11-28), and an iteration of G2 x K4 spends ~40% of
-its decoding steps on one or two rows, the tail of its longest episodes. Trained one after another, the
-trainings pay their tails one by one; played together, a step carries rows of every training
-(benchmarks/README.md: train_lockstep.py).
+Why: a decoding step on a CPU costs nearly as much for one row as for eight, and an iteration spends many of
+its decoding steps on the few rows of its longest episodes; played together, a step carries rows of every
+training (benchmarks/README.md: train_lockstep.py).
 
 How: each training runs TRL's loop unchanged in a thread of its own (`run_lockstep`), but only one thread
 runs at a time: it holds the sampler's lock, and lets go of it only while it waits for a round. A
@@ -286,10 +284,8 @@ def share_malloc_arenas() -> None:
     """Let new threads share glibc's existing malloc arenas instead of each making its own (M_ARENA_MAX 1).
 
     Why: glibc gives every thread an arena, which keeps the memory the thread freed for the thread's next
-    allocations, and each training's update frees a few GB of activations. One iteration of the train stage's
-    four trainings in lockstep peaked at 19.2 GB with an arena per thread and 14.6 GB with this (the same
-    episodes; 2026-11-28, benchmarks/README.md: train_lockstep). Only one training runs at a time, so sharing
-    costs no contention."""
+    allocations, and each training's update frees a few GB of activations (benchmarks/README.md: train_lockstep).
+    Only one training runs at a time, so sharing costs no contention."""
     _glibc("mallopt", ctypes.c_int(-8), ctypes.c_int(1))  # M_ARENA_MAX
 
 
@@ -302,12 +298,9 @@ UPDATE_MMAP_THRESHOLD = 128 * 2**10
 """The same during the trainings' updates: 128 KB, glibc's starting value, so an update's activations are handed
 back to the system as they are freed.
 
-Why the two: with glibc's own (rising) threshold, one iteration of the train stage's four trainings in lockstep
-peaked at 13.7 GB, of which ~6 GB were freed blocks of 128 KB to 2 MB that malloc kept (`malloc_trim` did not
-return them). A 128 KB threshold throughout peaked at 7.5 GB but faulted in fresh pages for every
-decoding step's tensors (1.38x the time); only during the updates, 8.05 GB at 1.05x (the same episodes;
-2026-11-28, benchmarks/README.md: train_lockstep). Setting the threshold turns glibc's adjustment off for the
-rest of the process."""
+Why the two: with glibc's own (rising) threshold malloc keeps the freed activation blocks, and a low threshold
+throughout faults in fresh pages for every decoding step's tensors (benchmarks/README.md: train_lockstep).
+Setting the threshold turns glibc's adjustment off for the rest of the process."""
 
 
 def set_mmap_threshold(size: int) -> None:

@@ -666,12 +666,8 @@ def planned_rollouts(cfg: TrainConfig) -> int:
 
 CPU_PASS_ROWS = {"float32": 8, "bfloat16": 32}
 """On CPU with the shared prompt, the most rollouts one loss pass takes when `train.micro_batch` is 0, by the
-training dtype. The pass keeps every token position's activations until TRL's backward; measured on 2-core
-machines with 24 GB. In fp32 (`dtype: auto` on an AVX2 CPU or an Intel CPU without AMX) a G8 x K4 iteration in
-one pass was killed for memory at 24 GB, and passes of 8 peaked at 16.5 GB resident
-(`benchmarks/capability_transfer.py`, 2026-11-29; benchmarks/README.md, train_step.py); in bf16 the same
-32-rollout iterations ran as one pass on 2026-11-27 (benchmarks/README.md, capability_transfer.py). The cpu
-profile's iteration (G2 x K4) is one pass in either."""
+training dtype. The pass keeps every token position's activations until TRL's backward, so a 32-rollout
+iteration in one fp32 pass does not fit in 24 GB (benchmarks/README.md: train_step.py)."""
 
 
 def cpu_pass_rows(per_iter: int, group_size: int, cap: int) -> int:
