@@ -666,7 +666,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "evaluate": {"router": "auto"},
         },
     },
-    # SmolLM2-135M on one GPU: 640 rollouts per adapter, 56 tasks per split, every method (README: Running at scale)
+    # SmolLM2-135M on one GPU: 640 rollouts per adapter, 56 tasks per split, every method (docs/scale.md)
     "gpu": {
         "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto", "tool_format": "signature"},
         "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4,  # 7 families x 8 = 56 tasks per split

@@ -219,7 +219,7 @@ def has_bf16_kernels(device: Any) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        # a run pinned to an instruction set below AVX-512 (README: Same seed, same bytes) computes as such a CPU does
+        # a run pinned to an instruction set below AVX-512 (docs/robustness.md: same seed, same bytes) computes as such a CPU does
         isa = _onednn_max_isa()
         pinned_below = not isa.startswith(("ALL", "DEFAULT", "AVX512", "AVX10", "AMX"))
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not pinned_below

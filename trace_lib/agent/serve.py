@@ -1,7 +1,7 @@
 """Starting an inference server for `policy.backend: openai` (vLLM), and keeping it under control.
 
-Reads nothing; starts a subprocess. `vllm_command` is the command line the README's "Running at
-scale" section documents: trace's chat template and Hermes tool-call parser (so the server parses
+Reads nothing; starts a subprocess. `vllm_command` is the command line docs/scale.md ("Running at
+scale") documents: trace's chat template and Hermes tool-call parser (so the server parses
 the same `<tool_call>` blocks trace's own engine writes), `tool_choice` honoured, LoRA adapters
 served by name (`--lora-modules <capability>=<adapter folder>`), prefix caching on. `ServerProcess`
 runs any such command in its own process group, waits until `/health` answers, and always stops
