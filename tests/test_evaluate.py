@@ -692,3 +692,31 @@ def test_run_evaluate_on_a_server_without_a_local_model(tmp_path, tiny_model_dir
         "order_total": "structured_data_reasoning", "refuse_cancel": "precondition_verification"}
     assert metrics["methods"]["oracle_route"]["label"] == "oracle routing (task tags)"
     assert metrics["routing"]["oracle"] == "tags" and not (tmp_path / "data/evaluate/oracle_labels.jsonl").exists()
+
+
+def test_findings_are_sentences_computed_from_the_metrics():
+    from trace_lib.evaluation.tables import findings
+
+    def cmp(diff, lo, hi, p, a, b):
+        return {"tasks": 48, "diff": diff, "ci_low": lo, "ci_high": hi,
+                "mcnemar": {"p_value": p, "only_a": a, "only_b": b}}
+
+    metrics = {"methods": {
+        "base": {"label": "base", "status": "run", "rollouts": 0},
+        "grpo_target": {"label": "GRPO on target", "status": "run", "rollouts": 352,
+                        "vs_base": cmp(0.0, -0.05, 0.05, 1.0, 1, 1), "trace_vs": cmp(0.125, 0.02, 0.23, 0.03, 7, 1)},
+        "grpo_target_late": {"label": "GRPO on target (reads played)", "status": "not run", "reason": "no adapter"},
+        "trace_argmax": {"label": "TRACE (argmax)", "status": "run", "rollouts": 352,
+                         "vs_base": cmp(0.125, 0.04, 0.21, 0.0078, 8, 1)}},
+        "router": "knn", "routers": {"knn": {"validation": {"router_accuracy": 0.75}}},
+        "routing": {"router_accuracy": 0.5}}
+    lines = findings(metrics)
+    assert lines[0] == ("TRACE (argmax) − base: +12.5 pp [+4.0 pp, +21.0 pp] over 48 tasks; exact McNemar p = 0.0078 "
+                        "(8 solved only by TRACE (argmax), 1 only by base).")
+    assert lines[1].startswith("TRACE (argmax) − GRPO on target: +12.5 pp") and lines[1].endswith(
+        "at 352 rollouts against 352.")
+    assert lines[2] == "GRPO on target (reads played) did not run: no adapter."
+    assert lines[3] == "Methods that differ from the base model at p < 0.05: TRACE (argmax)."
+    assert lines[4] == "Router: knn; agreement with the oracle 0.75 on validation, 0.50 on test."
+    assert findings({"methods": {"trace_argmax": {"status": "not run", "reason": "no capability adapters"}}}) == [
+        "TRACE did not run: no capability adapters."]

@@ -363,6 +363,47 @@ def vs_base_frame(metrics: dict[str, Any]) -> pd.DataFrame:
 
 
 
+def _pp(x: float) -> str:
+    return f"{100 * x:+.1f} pp"
+
+
+def _difference(label: str, other: str, cmp: dict[str, Any]) -> str:
+    mc = cmp["mcnemar"]
+    return (f"{label} − {other}: {_pp(cmp['diff'])} [{_pp(cmp['ci_low'])}, {_pp(cmp['ci_high'])}] over "
+            f"{cmp['tasks']} tasks; exact McNemar p = {mc['p_value']:.3g} ({mc['only_a']} solved only by "
+            f"{label}, {mc['only_b']} only by {other})")
+
+
+def findings(metrics: dict[str, Any]) -> list[str]:
+    """The evaluation's findings as sentences computed from evaluate.json: TRACE against the base model, against
+    GRPO on the target and its reads-played ablation, and the router the TRACE rows used."""
+    methods = metrics.get("methods", {})
+    trace_key = next((k for k in ("trace_argmax", "trace_top_p") if methods.get(k, {}).get("status") == "run"), None)
+    if trace_key is None:
+        why = methods.get("trace_argmax", {}).get("reason", "no TRACE row in the metrics")
+        return [f"TRACE did not run: {why}."]
+    trace = methods[trace_key]
+    label = trace["label"]
+    out = [_difference(label, "base", trace["vs_base"]) + "."] if trace.get("vs_base") else []
+    for key in ("grpo_target", "grpo_target_late"):
+        m = methods.get(key, {})
+        if m.get("status") == "run" and m.get("trace_vs"):
+            out.append(_difference(label, m["label"], m["trace_vs"])
+                       + f", at {trace.get('rollouts')} rollouts against {m.get('rollouts')}.")
+        elif m:
+            out.append(f"{m.get('label', key)} did not run: {m.get('reason', '')}.")
+    significant = [m["label"] for m in methods.values() if m.get("status") == "run" and m.get("vs_base")
+                   and m["vs_base"]["mcnemar"]["p_value"] < 0.05]
+    out.append("Methods that differ from the base model at p < 0.05: " + (", ".join(significant) or "none") + ".")
+    router = metrics.get("router")
+    if router:
+        held = metrics.get("routers", {}).get(router, {}).get("validation", {}).get("router_accuracy")
+        test = metrics.get("routing", {}).get("router_accuracy")
+        fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+        out.append(f"Router: {router}; agreement with the oracle {fmt(held)} on validation, {fmt(test)} on test.")
+    return out
+
+
 def not_run_table(metrics: dict[str, Any]) -> pd.DataFrame:
     """From evaluate.json: each method that did not run and why, in table order."""
     return pd.DataFrame([{"method": m["label"], "reason": m["reason"]} for m in metrics.get("methods", {}).values()
