@@ -126,6 +126,7 @@ def test_run_report_writes_index_and_metrics(tree: Path):
     assert "success_rate" in page and "<details>" in page and '"notebooks": 99' not in page
     assert "profile <b>cpu</b>" in page and lock_digest(tree / "dvc.lock") in page and "commit <code>unknown" in page
     assert "delta: 0.20" in page  # params.yaml verbatim, comments included
+    assert 'id="findings"' not in page  # nothing evaluated: no findings to state
     assert not re.search(r'(src|href)="(https?:)?//', page)
     first = page.encode()
     (tree / "dvc.lock").write_text(fake_lock("new"))  # only the report's own entry changed
@@ -370,3 +371,17 @@ def test_index_renders_in_chromium(tree: Path, tmp_path: Path):
     outputs = [i for i in notebook["images"] if i["id"] != "control"]
     assert outputs and all(i["loaded"] and i["src"].startswith("data:image/png") for i in outputs), outputs
     assert notebook["fetched"] == []
+
+
+def test_the_page_opens_with_the_findings_of_the_evaluation(tree: Path):
+    """With evaluate.json there, the page states its findings (`evaluation.tables.findings`) before anything else."""
+    from trace_lib.evaluation.tables import findings
+
+    evaluate = {"methods": {"trace_argmax": {"label": "TRACE (argmax)", "status": "not run",
+                                             "reason": "no capability adapters under data/adapters/"}}}
+    (tree / "reports" / "metrics" / "evaluate.json").write_text(json.dumps(evaluate))
+    run_report(load_params(tree / "params.yaml"), tree)
+    page = (tree / "reports" / "index.html").read_text()
+    (line,) = findings(evaluate)
+    assert f"<li>{line}</li>" in page and page.index('id="findings"') < page.index('id="notebooks"')
+    assert 'href="#findings"' in page and "arXiv 2604.05336" in page

@@ -33,7 +33,7 @@ import yaml
 from nbconvert import HTMLExporter
 
 from trace_lib.config import Params
-from trace_lib.evaluation.tables import TABLE1_COLUMNS, EnvBlock, environments_table, markdown
+from trace_lib.evaluation.tables import TABLE1_COLUMNS, EnvBlock, environments_table, findings, markdown
 from trace_lib.io import atomic_write_text, write_json
 from trace_lib.paths import Paths
 
@@ -152,7 +152,9 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
                        for n, t in notebooks)
     nb_items += (f'<li><a href="notebooks/{quote(self_name)}.ipynb">{esc(self_name)}</a> — this page\'s '
                  "notebook (still running while the page is built, so linked as .ipynb, not exported)</li>")
-    nav = [("notebooks", True), ("tables", tables), ("figures", figures), ("metrics", metrics), ("params", True)]
+    found = findings(metrics["evaluate"]) if "evaluate" in metrics else []
+    nav = [("findings", found), ("notebooks", True), ("tables", tables), ("figures", figures), ("metrics", metrics),
+           ("params", True)]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -161,9 +163,14 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
         f"<p>profile <b>{esc(profile)}</b> · pipeline fingerprint <code>{esc(digest or 'no dvc.lock')}</code>"
         " (md5 of dvc.lock without its report entry) · commit "
         f"<code>{esc(commit or 'unknown')}</code></p>",
+        "<p>The method: TRACE, capability-targeted agentic training (Kang et al., arXiv 2604.05336).</p>",
         "<p>" + " · ".join(f'<a href="#{key}">{key}</a>' for key, shown in nav if shown) + "</p>",
-        '<h2 id="notebooks">Executed notebooks</h2>', f"<ul>{nb_items}</ul>",
     ]
+    if found:
+        parts += ['<h2 id="findings">Findings</h2>',
+                  "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in found) + "</ul>",
+                  '<p class="src">computed from reports/metrics/evaluate.json</p>']
+    parts += ['<h2 id="notebooks">Executed notebooks</h2>', f"<ul>{nb_items}</ul>"]
     if tables:
         parts.append('<h2 id="tables">Tables</h2>')
         for name in table_order(list(tables)):
