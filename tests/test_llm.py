@@ -187,8 +187,11 @@ def test_resolve_backend_auto(monkeypatch, capsys):
     assert resolve_backend("auto") == "rules"
     monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
     assert resolve_backend("auto") == "anthropic"
+    assert resolve_backend("auto", base_url="http://localhost:8000/v1") == "anthropic"  # the key comes first
+    monkeypatch.delenv("ANTHROPIC_API_KEY")
+    assert resolve_backend("auto", base_url="http://localhost:8000/v1") == "openai"
     err = capsys.readouterr().err
-    assert "auto -> rules" in err and "auto -> anthropic" in err and KEY not in err
+    assert "auto -> rules" in err and "auto -> anthropic" in err and "auto -> openai" in err and KEY not in err
     with pytest.raises(ValueError, match="unknown backend 'gpt'"):
         resolve_backend("gpt")
 

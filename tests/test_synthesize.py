@@ -181,11 +181,15 @@ def test_extract_module_and_feedback():
 
 
 def test_auto_backend_follows_the_analyst(monkeypatch):
+    from trace_lib.config import AnalystConfig
+
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
-    assert resolve_synth_backend(_params().synthesize, "auto") == "template"
+    assert resolve_synth_backend(_params().synthesize, AnalystConfig()) == "template"
+    served = AnalystConfig(base_url="http://localhost:8000/v1")
+    assert resolve_synth_backend(_params().synthesize, served) == "openai"
     monkeypatch.setenv("ANTHROPIC_API_KEY", "k")
-    assert resolve_synth_backend(_params().synthesize, "auto") == "anthropic"
-    assert resolve_synth_backend(_params(backend="template").synthesize, "anthropic") == "template"
+    assert resolve_synth_backend(_params().synthesize, served) == "anthropic"
+    assert resolve_synth_backend(_params(backend="template").synthesize, AnalystConfig(backend="anthropic")) == "template"
 
 
 def test_no_kept_capabilities_is_a_clear_empty_result(tmp_path):

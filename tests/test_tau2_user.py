@@ -231,3 +231,57 @@ def test_llm_user_stop_token_ends_episode(api, tmp_path):
     result = env.step(Message(role="assistant", content="Your order is on its way."))
     assert result.done and result.termination == "user_stop"
     assert result.observations[0].content.endswith("###STOP###")
+
+
+class ChatCompletionsServer(LocalHTTP):
+    """A local POST /v1/chat/completions endpoint; `answer(request_body)` gives each reply's text."""
+
+    def __init__(self, answer: Callable[[dict], str]) -> None:
+        self.requests: list[dict] = []
+        self.api_keys: list[str] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                server.requests.append(body)
+                server.api_keys.append(self.headers.get("authorization", "").removeprefix("Bearer "))
+                status = 200 if self.path == "/v1/chat/completions" else 404
+                payload = {"id": f"chatcmpl-{len(server.requests)}", "object": "chat.completion", "created": 0,
+                           "model": body.get("model"),
+                           "choices": [{"index": 0, "finish_reason": "stop",
+                                        "message": {"role": "assistant", "content": answer(body)}}],
+                           "usage": {"prompt_tokens": 50, "completion_tokens": 9, "total_tokens": 59}}
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(Handler, "/v1")
+
+
+def test_llm_user_on_an_openai_compatible_server(tmp_path, monkeypatch):
+    """`env.user_backend: openai`: the same τ² user, its turns sent to a Chat Completions server."""
+    monkeypatch.setenv("USER_SERVER_KEY", KEY)
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    with ChatCompletionsServer(customer) as server:
+        cfg = EnvConfig(name="tau2-retail", user="llm", max_steps=200, user_backend="openai",
+                        user_base_url=server.url, user_api_key_env="USER_SERVER_KEY", user_model="served-user",
+                        user_cache_dir=str(tmp_path / "user_cache"))
+        task = to_task(next(t for d, t in ALL if d == "retail" and t.id == "10"), "retail", "base")
+        env = build_env(cfg)
+        env.reset(task)
+        env.step(Message(role="assistant", content="Could you tell me your email address?"))
+    messages = env.state.messages
+    assert messages[2].content == "Hi, I'd like to return some items from my orders."
+    assert messages[4].content == "Sure, it's mia.garcia2723@example.com."
+    first = server.requests[0]
+    assert first["model"] == "served-user" and first["messages"][0]["role"] == "system"
+    assert "<scenario>" in first["messages"][0]["content"] and set(server.api_keys) == {KEY}
+    rows = [json.loads(r) for r in (tmp_path / "user_cache" / "ledger.jsonl").read_text().splitlines()]
+    assert {(r["stage"], r["backend"]) for r in rows} == {("tau2_user", "openai")}

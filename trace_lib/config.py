@@ -120,7 +120,13 @@ class EnvConfig(Section):
     user: Literal["scripted", "llm"] = "scripted"
     """User simulator: deterministic script, or an LLM through the analyst backend (τ² envs and phone)."""
     user_model: str = "claude-sonnet-4-5"
-    """`user: llm`: the Claude model that plays the customer (anthropic backend)."""
+    """`user: llm`: the model that plays the customer."""
+    user_backend: Literal["anthropic", "openai"] = "anthropic"
+    """`user: llm`: Claude (ANTHROPIC_API_KEY), or an OpenAI-compatible server at `user_base_url`."""
+    user_base_url: str | None = None
+    """`user_backend: openai`: the server's API root, e.g. http://localhost:8000/v1 (None: OpenAI's)."""
+    user_api_key_env: str = "OPENAI_API_KEY"
+    """`user_backend: openai`: the environment variable holding the key; unset: a placeholder."""
     user_cache_dir: str = "data/user_cache"
     """`user: llm`: replies cached by request hash (plus ledger.jsonl); persistent."""
     tool_timeout_s: float = Field(5.0, gt=0)
@@ -179,10 +185,24 @@ class RolloutConfig(Section):
 class AnalystConfig(Section):
     """The analyst behind discover and score (trace_lib.analyst.llm); same prompts whatever the backend."""
 
-    backend: Literal["auto", "anthropic", "local", "rules"] = "auto"
-    """'auto': anthropic when ANTHROPIC_API_KEY is set, else the offline rules analyst (detectors)."""
+    backend: Literal["auto", "anthropic", "openai", "local", "rules"] = "auto"
+    """'anthropic': Claude; 'openai': any OpenAI-compatible Chat Completions server at `base_url` (vLLM, SGLang, a
+    hosted API); 'local': an HF model in-process; 'rules': the offline rules analyst (detectors). 'auto':
+    anthropic when ANTHROPIC_API_KEY is set, else openai when `base_url` is set, else rules."""
     model: str = "claude-sonnet-4-5"
-    """Claude model name for the anthropic backend."""
+    """The model's name for the anthropic or openai backend (openai: the server's name for it, e.g. vLLM's
+    `--served-model-name`)."""
+    base_url: str | None = None
+    """openai backend: the server's API root, e.g. http://localhost:8000/v1 (None: the SDK's default, OpenAI's)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """openai backend: the environment variable holding the key; unset: a placeholder (servers without a key)."""
+    response_format: Literal["json_schema", "text"] = "json_schema"
+    """openai backend, replies with a schema: 'json_schema' asks the server for JSON that matches it (vLLM's guided
+    decoding, OpenAI's structured outputs); 'text' for a server without it. Either way the reply is validated
+    against the schema and re-asked once with the reason."""
+    prices: dict[str, tuple[float, float]] = Field(default_factory=dict)
+    """USD per million (input, output) tokens by model-name prefix, for the cost columns of the ledgers and the
+    report; added to the built-in Claude list prices (`analyst.llm.PRICES`). A model with no price gets none."""
     local_model: str = "data/model"
     """HF model folder for the local backend (default: the prepared policy model)."""
     cache_dir: str = "data/analyst_cache"
@@ -306,9 +326,10 @@ class CalibrationConfig(Section):
 class SynthesizeConfig(Section):
     """One validated synthetic environment per kept capability (stage `synthesize`, paper §3.2)."""
 
-    backend: Literal["auto", "template", "anthropic", "local"] = "auto"
-    """'template': offline parameterized generators (pairs with the rules analyst); 'anthropic' /
-    'local': an LLM writes the module; 'auto': template when the analyst backend resolves to rules."""
+    backend: Literal["auto", "template", "anthropic", "openai", "local"] = "auto"
+    """'template': offline parameterized generators (pairs with the rules analyst); 'anthropic' / 'openai' /
+    'local': an LLM writes the module (the analyst section's model and server); 'auto': template when the analyst
+    backend resolves to rules, else the analyst's."""
     max_attempts: int = Field(3, ge=1)
     """LLM synthesizer: attempts per capability, each fed the previous attempt's validation errors."""
     difficulty: int = Field(1, ge=0)

@@ -1,7 +1,7 @@
 """One call layer for every LLM request the pipeline makes (analyst, synthesizer, LLM user).
 
-Reads: the on-disk reply cache (`cache_dir`), `ANTHROPIC_API_KEY` / `ANTHROPIC_BASE_URL` from the
-environment. Writes: one JSON file per distinct request under `cache_dir`, and a JSONL ledger
+Reads: the on-disk reply cache (`cache_dir`), `ANTHROPIC_API_KEY` / `ANTHROPIC_BASE_URL` (anthropic) or the
+key variable `analyst.api_key_env` names (openai) from the environment. Writes: one JSON file per distinct request under `cache_dir`, and a JSONL ledger
 (`ledger_path`) with one row per call: tokens, estimated cost, retries taken, and the error of a
 call that failed.
 
@@ -13,12 +13,18 @@ Backends (paper §3.1 uses an analyst LLM; which one is a parameter here):
                 exponential backoff that honours `retry-after`); a 2xx whose body is not a whole
                 JSON message (cut off mid-way) is retried the same way. After the last retry the call
                 fails with an `LLMError` that says what happened.
+    openai      any OpenAI-compatible Chat Completions server (vLLM, SGLang, a hosted API) through the
+                official `openai` SDK, at `base_url`. Retries are the SDK's (408/409/429/5xx, timeouts,
+                dropped connections); a 2xx whose body is cut short, is not a completion, or holds an
+                empty reply is retried the same way. A reply with a schema asks for it with
+                `response_format` (`analyst.response_format: json_schema`), and is validated either way.
     local       any HF instruct model folder, run through the project's policy code
                 (`trace_lib.agent.policy`), greedy unless a temperature is given.
     rules       not an LLM: discover/label dispatch to `trace_lib.analyst.detectors` instead. Asking this
                 client for a completion is an error that says so.
 
-`analyst_client` builds the client that params.yaml's `analyst` section asks for (None for `rules`).
+`analyst_client` builds the client that params.yaml's `analyst` section asks for (None for `rules`);
+`resolve_analyst` says which backend 'auto' means there.
 
 Every request is cached by sha256 of the canonical JSON of (backend, model, system, messages,
 max_tokens, temperature, schema), so a rerun sends nothing and returns the same bytes. A failed call
@@ -41,13 +47,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from trace_lib.config import AnalystConfig
 from trace_lib.io import atomic_write_text, dumps_json, iter_jsonl
 from trace_lib.text import clean_text
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("anthropic", "local", "rules")
+BACKENDS = ("anthropic", "openai", "local", "rules")
 
 # USD per million tokens (input, output); cache writes cost 1.25x input, cache reads 0.1x input.
 # Matched by prefix of the model name; unknown models get no estimate rather than a wrong one.
@@ -66,6 +74,11 @@ class LLMError(RuntimeError):
     """An LLM call that could not produce a usable reply (after retries / one re-ask)."""
 
 
+class BadReply(httpx.RequestError):
+    """A 2xx reply the openai backend cannot use (cut short, not a completion, empty): an httpx request error, so
+    the SDK retries it like a dropped connection; then an LLMError."""
+
+
 @dataclass(frozen=True)
 class LLMReply:
     text: str
@@ -74,14 +87,19 @@ class LLMReply:
     cached: bool
 
 
-def resolve_backend(name: str, *, announce: bool = True) -> str:
-    """Map 'auto' to 'anthropic' when ANTHROPIC_API_KEY is set, else 'rules'; check other names.
+def resolve_backend(name: str, *, announce: bool = True, base_url: str | None = None) -> str:
+    """Map 'auto' to 'anthropic' when ANTHROPIC_API_KEY is set, else to 'openai' when a server is configured
+    (`base_url`), else to 'rules'; check other names.
 
     Says which backend it chose (on stderr) without ever showing the key.
     """
     if name == "auto":
-        chosen = "anthropic" if os.environ.get("ANTHROPIC_API_KEY") else "rules"
-        why = "ANTHROPIC_API_KEY is set" if chosen == "anthropic" else "ANTHROPIC_API_KEY is not set"
+        if os.environ.get("ANTHROPIC_API_KEY"):
+            chosen, why = "anthropic", "ANTHROPIC_API_KEY is set"
+        elif base_url:
+            chosen, why = "openai", f"ANTHROPIC_API_KEY is not set; analyst.base_url is {base_url}"
+        else:
+            chosen, why = "rules", "ANTHROPIC_API_KEY is not set and no analyst.base_url"
         if announce:
             print(f"analyst backend: auto -> {chosen} ({why})", file=sys.stderr)
         return chosen
@@ -98,10 +116,17 @@ def request_key(backend: str, model: str, system: str, messages: list[dict], max
     return hashlib.sha256(dumps_json(payload).encode("utf-8")).hexdigest()
 
 
+def resolve_analyst(cfg: AnalystConfig, *, announce: bool = True) -> str:
+    """The backend the `analyst` section means ('auto' resolved with its `base_url`)."""
+    return resolve_backend(cfg.backend, announce=announce, base_url=cfg.base_url)
+
+
 def estimate_cost(model: str, input_tokens: int, output_tokens: int,
-                  cache_write: int = 0, cache_read: int = 0) -> float | None:
-    """Estimated USD for one call, or None for a model without a known price."""
-    for prefix, (p_in, p_out) in sorted(PRICES.items(), key=lambda kv: -len(kv[0])):
+                  cache_write: int = 0, cache_read: int = 0,
+                  prices: dict[str, tuple[float, float]] | None = None) -> float | None:
+    """Estimated USD for one call, or None for a model without a known price (`prices`, by model-name
+    prefix, on top of `PRICES`)."""
+    for prefix, (p_in, p_out) in sorted({**PRICES, **(prices or {})}.items(), key=lambda kv: -len(kv[0])):
         if model.startswith(prefix):
             return (input_tokens * p_in + output_tokens * p_out
                     + cache_write * 1.25 * p_in + cache_read * 0.1 * p_in) / 1e6
@@ -204,8 +229,10 @@ class LLMClient:
 
     def __init__(self, backend: str, model: str, cache_dir: Path, ledger_path: Path | None = None, *,
                  max_retries: int = 4, timeout: float = 120.0, base_url: str | None = None,
-                 seed: int = 0, api_key: str | None = None, send_temperature: bool = True) -> None:
-        self.backend = resolve_backend(backend)
+                 seed: int = 0, api_key: str | None = None, send_temperature: bool = True,
+                 api_key_env: str = "OPENAI_API_KEY", response_format: str = "json_schema",
+                 prices: dict[str, tuple[float, float]] | None = None) -> None:
+        self.backend = resolve_backend(backend, base_url=base_url)
         self.model = model
         self.cache_dir = Path(cache_dir)
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
@@ -216,6 +243,11 @@ class LLMClient:
         self.send_temperature = send_temperature
         """The SDK no longer has a `temperature` argument (some models reject sampling parameters);
         when True it is sent in the request body, when False the model's default applies."""
+        self.api_key_env = api_key_env
+        """openai backend: the environment variable holding the key (read on the first request)."""
+        self.response_format = response_format
+        """openai backend: 'json_schema' sends a reply's schema as `response_format`; 'text' does not."""
+        self.prices = dict(prices or {})
         self.requests_sent = 0
         """Requests that reached a backend (cache misses); tests and notebooks read it."""
         self._api_key = api_key
@@ -268,7 +300,8 @@ class LLMClient:
               schema: dict | None, stage: str) -> LLMReply:
         if self.backend == "rules":
             raise LLMError("the 'rules' analyst is not an LLM: discover/label run trajectory detectors "
-                           "(trace_lib.analyst.detectors) instead; choose analyst.backend 'anthropic' or 'local' "
+                           "(trace_lib.analyst.detectors) instead; choose analyst.backend 'anthropic', 'openai' or "
+                           "'local' "
                            "for free-text completions")
         key = request_key(self.backend, self.model, system, messages, max_tokens, temperature, schema)
         path = self.cache_dir / key[:2] / f"{key}.json"
@@ -284,6 +317,8 @@ class LLMClient:
         try:
             if self.backend == "anthropic":
                 text, n_in, n_out, c_write, c_read = self._anthropic(system, messages, max_tokens, temperature)
+            elif self.backend == "openai":
+                text, n_in, n_out, c_write, c_read = self._openai(system, messages, max_tokens, temperature, schema)
             else:
                 text, n_in, n_out, c_write, c_read = self._local(system, messages, max_tokens, temperature)
         except LLMError as err:
@@ -356,6 +391,66 @@ class LLMClient:
                 int(getattr(u, "cache_creation_input_tokens", 0) or 0),
                 int(getattr(u, "cache_read_input_tokens", 0) or 0))
 
+    def _openai_hooks(self) -> dict[str, list]:
+        """httpx event hooks, run once per HTTP attempt inside the SDK's retry loop: the attempt count (for the
+        ledger), and a 2xx whose body is cut short, is not a completion or holds an empty reply raised inside the
+        attempt, so that the SDK retries it with backoff like a dropped connection."""
+        def on_request(request: Any) -> None:
+            self._attempt.sent = getattr(self._attempt, "sent", 0) + 1
+            self._attempt.retries = self._attempt.sent - 1
+
+        def on_response(response: Any) -> None:
+            if not response.is_success:
+                return
+            response.read()  # a body cut short raises here, inside the attempt
+            try:
+                body = response.json()
+            except ValueError as err:
+                raise BadReply(f"reply body is not valid JSON ({err}; {len(response.content)} bytes)",
+                               request=response.request) from None
+            choices = body.get("choices") if isinstance(body, dict) else None
+            if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+                raise BadReply("reply body is JSON but not a completion (no 'choices')", request=response.request)
+            message = choices[0].get("message") or {}
+            if not (message.get("content") or "").strip():
+                raise BadReply(f"empty reply (finish_reason {choices[0].get('finish_reason')!r})",
+                               request=response.request)
+
+        return {"request": [on_request], "response": [on_response]}
+
+    def _openai(self, system: str, messages: list[dict], max_tokens: int, temperature: float,
+                schema: dict | None) -> tuple[str, int, int, int, int]:
+        import openai
+
+        if self._sdk is None:
+            key = self._api_key or os.environ.get(self.api_key_env) or "no-key"  # a server without a key
+            http = httpx.Client(timeout=self.timeout, event_hooks=self._openai_hooks())
+            self._sdk = openai.OpenAI(api_key=key, base_url=self.base_url, max_retries=self.max_retries,
+                                      timeout=self.timeout, http_client=http)
+        self._attempt.sent = 0
+        turns = ([{"role": "system", "content": system}] if system else []) + list(messages)
+        kwargs: dict[str, Any] = {"temperature": temperature} if self.send_temperature else {}
+        if schema is not None and self.response_format == "json_schema":
+            kwargs["response_format"] = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+        try:
+            out = self._sdk.chat.completions.create(model=self.model, messages=turns, max_tokens=max_tokens, **kwargs)
+        except openai.APIStatusError as err:
+            retried = err.status_code in (408, 409, 429) or err.status_code >= 500
+            when = f"after {self._attempt.retries} retries" if retried else "(not retryable)"
+            raise LLMError(f"HTTP {err.status_code} {when}: {self._redact(err.message)}") from None
+        except openai.APITimeoutError:
+            raise LLMError(f"timed out ({self.timeout} s) after {self._attempt.retries} retries") from None
+        except openai.APIConnectionError as err:
+            cause = err.__cause__
+            what = str(cause) if isinstance(cause, BadReply) else f"connection failed ({cause or err})"
+            raise LLMError(f"{self._redact(what)} after {self._attempt.retries} retries") from None
+        except openai.OpenAIError as err:
+            raise LLMError(f"{type(err).__name__}: {self._redact(str(err))}") from None
+        text = out.choices[0].message.content or ""
+        usage = out.usage
+        return (text, int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0),
+                0, int(getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", 0) or 0))
+
     def _local(self, system: str, messages: list[dict], max_tokens: int,
                temperature: float) -> tuple[str, int, int, int, int]:
         if self._policy is None:
@@ -376,7 +471,7 @@ class LLMClient:
     def _redact(self, text: str) -> str:
         """`text` shortened, with the API key blanked out should a server or proxy echo it."""
         text = _short(text)
-        for secret in {self._api_key, os.environ.get("ANTHROPIC_API_KEY")} - {None, ""}:
+        for secret in {self._api_key, os.environ.get("ANTHROPIC_API_KEY"), os.environ.get(self.api_key_env)} - {None, ""}:
             text = text.replace(secret, "[redacted]")
         return text
 
@@ -386,8 +481,8 @@ class LLMClient:
             return
         if self._ledger is None:
             self._ledger = list(iter_jsonl(self.ledger_path)) if self.ledger_path.exists() else []
-        cost = 0.0 if reply.cached or error else estimate_cost(self.model, reply.input_tokens,
-                                                               reply.output_tokens, cache_write, cache_read)
+        cost = 0.0 if reply.cached or error else estimate_cost(self.model, reply.input_tokens, reply.output_tokens,
+                                                               cache_write, cache_read, self.prices)
         row = {"stage": stage, "backend": self.backend, "model": self.model, "request": key[:16],
                "cached": reply.cached, "input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens,
                "cache_write_tokens": cache_write, "cache_read_tokens": cache_read, "cost_usd": cost,
@@ -402,12 +497,14 @@ class LLMClient:
 def analyst_client(cfg: AnalystConfig, ledger_path: Path | None, root: Path = Path("."),
                    seed: int = 0) -> LLMClient | None:
     """The LLM behind the analyst, or None for the rules analyst ('auto' says which it picked)."""
-    backend = resolve_backend(cfg.backend)
+    backend = resolve_analyst(cfg)
     if backend == "rules":
         return None
-    model = cfg.model if backend == "anthropic" else str(root / cfg.local_model)
+    model = str(root / cfg.local_model) if backend == "local" else cfg.model
     return LLMClient(backend, model, root / cfg.cache_dir, ledger_path, max_retries=cfg.max_retries,
-                     timeout=cfg.timeout_s, seed=seed, send_temperature=cfg.send_temperature)
+                     timeout=cfg.timeout_s, seed=seed, send_temperature=cfg.send_temperature,
+                     base_url=cfg.base_url if backend == "openai" else None, api_key_env=cfg.api_key_env,
+                     response_format=cfg.response_format, prices=cfg.prices)
 
 
 def _short(text: str, limit: int = 300) -> str:

@@ -263,17 +263,27 @@ class LLMUser:
 
 
 @lru_cache(maxsize=None)
-def cached_llm_client(model: str, cache_dir: str):
+def cached_llm_client(model: str, cache_dir: str, backend: str = "anthropic", base_url: str | None = None,
+                      api_key_env: str = "OPENAI_API_KEY"):
     from trace_lib.analyst.llm import LLMClient
 
     # One client per process and cache folder: its token ledger is rewritten whole on every call.
-    return LLMClient("anthropic", model, Path(cache_dir), Path(cache_dir) / "ledger.jsonl")
+    return LLMClient(backend, model, Path(cache_dir), Path(cache_dir) / "ledger.jsonl", base_url=base_url,
+                     api_key_env=api_key_env)
+
+
+def user_client(cfg: EnvConfig):
+    """The LLM that plays the user (`env.user_backend`, `env.user_model`), replies cached under
+    `env.user_cache_dir`; the key is read from the environment only on a cache miss."""
+    if cfg.user_backend == "openai":
+        return cached_llm_client(cfg.user_model, cfg.user_cache_dir, "openai", cfg.user_base_url,
+                                 cfg.user_api_key_env)
+    return cached_llm_client(cfg.user_model, cfg.user_cache_dir)
 
 
 def llm_user_factory(cfg: EnvConfig) -> Callable[[Task], LLMUser]:
-    """τ²'s LLM user on Claude (`cfg.user_model`) through trace_lib.analyst.llm, replies cached under
-    `cfg.user_cache_dir`; the key is read by the SDK from ANTHROPIC_API_KEY only on a cache miss."""
-    client = cached_llm_client(cfg.user_model, cfg.user_cache_dir)
+    """τ²'s LLM user through trace_lib.analyst.llm (`user_client`)."""
+    client = user_client(cfg)
 
     def make(task: Task) -> LLMUser:
         raw = task.meta.get("tau2_task")

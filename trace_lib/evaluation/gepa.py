@@ -46,7 +46,7 @@ from trace_lib.training.budget import RolloutLedger
 
 log = logging.getLogger(__name__)
 
-RULES_REASON = ("GEPA needs an LLM reflection model (analyst.backend anthropic/local); "
+RULES_REASON = ("GEPA needs an LLM reflection model (analyst.backend anthropic, openai or local); "
                 "the rules analyst cannot reflect")
 STAGE = "gepa"
 """Stage name of GEPA's rows in the rollout ledger and of its reflection calls in the LLM ledger."""
@@ -63,9 +63,9 @@ Example = tuple[str, Task]
 
 def gepa_status(params: Any, budget_total: int | None = None) -> str | None:
     """Why the GEPA row cannot run, or None when it can (LLM analyst, gepa installed, budget > 0)."""
-    from trace_lib.analyst.llm import resolve_backend
+    from trace_lib.analyst.llm import resolve_analyst
 
-    backend = resolve_backend(params.analyst.backend, announce=False)
+    backend = resolve_analyst(params.analyst, announce=False)
     if backend == "rules":
         return RULES_REASON
     if importlib.util.find_spec("gepa") is None:

@@ -33,7 +33,7 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
     """Every kept capability gets a validated environment or a recorded reason; writes the manifests and metrics."""
     paths = Paths(root)
     kept = read_jsonl(paths.kept, Capability)
-    backend = resolve_synth_backend(params.synthesize, params.analyst.backend)
+    backend = resolve_synth_backend(params.synthesize, params.analyst)
     client = None if backend == "template" else analyst_client(
         params.analyst.model_copy(update={"backend": backend}), paths.synth_ledger, root, params.seed)
     rollouts = paths.rollouts(params.rollout.split)

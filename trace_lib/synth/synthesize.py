@@ -12,7 +12,7 @@ Two synthesizers behind one loop:
 * `template` (offline, pairs with the rules analyst): the module binds a parameterized generator of
   `trace_lib.synth.templates` to the capability; a capability without a template is recorded as
   not synthesized, with the reason.
-* `anthropic` / `local`: an LLM writes the module from the capability's description and evidence,
+* `anthropic` / `openai` / `local`: an LLM writes the module from the capability's description and evidence,
   the target's policy and tool list; a rejected attempt's failed checks are fed back, up to
   `max_attempts` times.
 
@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.analyst.llm import LLMClient, LLMError, resolve_backend
+from trace_lib.analyst.llm import LLMClient, LLMError, resolve_analyst
 from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_trajectory, tools_block
-from trace_lib.config import EnvConfig, Params, SynthesizeConfig
+from trace_lib.config import AnalystConfig, EnvConfig, Params, SynthesizeConfig
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import synthetic_tasks
 from trace_lib.io import atomic_write_text, read_jsonl, write_json
@@ -50,11 +50,11 @@ def target_spec(env: EnvConfig) -> dict[str, str]:
     return {"name": env.name, "tools": env.tools}
 
 
-def resolve_synth_backend(cfg: SynthesizeConfig, analyst_backend: str) -> str:
+def resolve_synth_backend(cfg: SynthesizeConfig, analyst: AnalystConfig) -> str:
     """'auto': the template synthesizer when the analyst is the offline rules analyst, else the analyst's LLM."""
     if cfg.backend != "auto":
         return cfg.backend
-    backend = resolve_backend(analyst_backend, announce=False)
+    backend = resolve_analyst(analyst, announce=False)
     return "template" if backend == "rules" else backend
 
 

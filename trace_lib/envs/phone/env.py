@@ -130,10 +130,10 @@ def user_instructions(task: Task) -> str:
 
 
 def llm_user_factory(cfg: Any) -> Callable[[Task], Any]:
-    """An LLM user per task through the analyst's cached Claude call (`env.user_model`, `env.user_cache_dir`)."""
-    from trace_lib.envs.tau2_user import LLMUser, cached_llm_client
+    """An LLM user per task through the cached LLM call (`tau2_user.user_client`: `env.user_backend`, `user_model`)."""
+    from trace_lib.envs.tau2_user import LLMUser, user_client
 
-    client = cached_llm_client(cfg.user_model, cfg.user_cache_dir)
+    client = user_client(cfg)
     return lambda task: LLMUser(client, user_instructions(task), stage="phone_user")
 
 
