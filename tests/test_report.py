@@ -113,8 +113,10 @@ def test_git_commit_is_none_outside_a_checkout(tmp_path: Path):
 
 def test_run_report_writes_index_and_metrics(tree: Path):
     metrics = run_report(load_params(tree / "params.yaml"), tree)
-    assert metrics == {"notebooks": 2, "exported": ["00_alpha", "01_beta"], "tables": 4, "metrics_files": 1,
-                       "figures": 2}  # the three above and Table 1 across environments (params.yaml names the phone)
+    assert metrics == {"notebooks": 2, "exported": ["00_alpha", "01_beta"], "tables": 5, "metrics_files": 1,
+                       "figures": 2}  # the three above, Table 1 across environments (params.yaml names the phone)
+    # and the LLM cost table, which says no LLM was called
+    assert "No LLM call was made" in (tree / "reports" / "tables" / "llm_costs.md").read_text()
     assert json.loads((tree / "reports" / "metrics" / "report.json").read_text()) == metrics
     page = (tree / "reports" / "index.html").read_text()
     for link in ('href="html/00_alpha.html"', 'href="html/01_beta.html"', 'href="notebooks/08_report.ipynb"'):
@@ -136,10 +138,10 @@ def test_run_report_writes_index_and_metrics(tree: Path):
 
 def test_run_report_with_nothing_upstream(tmp_path: Path):
     metrics = run_report(Params(), tmp_path)
-    assert metrics["notebooks"] == metrics["tables"] == metrics["figures"] == 0
+    assert metrics["notebooks"] == metrics["figures"] == 0 and metrics["tables"] == 1  # the LLM cost table
     assert (tmp_path / "reports" / "html").is_dir()
     page = (tmp_path / "reports" / "index.html").read_text()
-    assert "(no params.yaml)" in page and "no dvc.lock" in page and "<h2 id=\"tables\">" not in page
+    assert "(no params.yaml)" in page and "no dvc.lock" in page and 'id="table-table1"' not in page
 
 
 # --- Table 1 across environments ---------------------------------------------------------------------
@@ -385,3 +387,32 @@ def test_the_page_opens_with_the_findings_of_the_evaluation(tree: Path):
     (line,) = findings(evaluate)
     assert f"<li>{line}</li>" in page and page.index('id="findings"') < page.index('id="notebooks"')
     assert 'href="#findings"' in page and "arXiv 2604.05336" in page
+
+
+def test_the_llm_cost_table_lists_every_call_of_the_run(tmp_path: Path):
+    """Each LLM ledger of the run, by stage, backend and model: a cache hit is free, a failed call costs nothing, and a
+    model without a price makes the total 'no price'."""
+    from trace_lib.io import write_jsonl
+    from trace_lib.paths import Paths
+
+    def row(stage, backend, model, cached=False, cost=0.001, error=None, tokens=(100, 10), retries=0):
+        out = {"stage": stage, "backend": backend, "model": model, "request": "0" * 16, "cached": cached,
+               "input_tokens": tokens[0], "output_tokens": tokens[1], "cache_write_tokens": 0,
+               "cache_read_tokens": 0, "cost_usd": cost, "retries": retries}
+        return out | ({"error": error} if error else {})
+
+    paths = Paths(tmp_path)
+    write_jsonl(paths.discover_ledger, [row("discover", "anthropic", "claude-sonnet-4-5"),
+                                        row("discover", "anthropic", "claude-sonnet-4-5", cached=True, cost=0.0)])
+    write_jsonl(paths.score_ledger, [row("label", "openai", "served", cost=None, retries=2),
+                                     row("label", "openai", "served", cost=0.0, error="HTTP 500", tokens=(0, 0))])
+    write_jsonl(tmp_path / "data/user_cache/ledger.jsonl", [row("tau2_user", "openai", "served", cost=None)])
+    run_report(Params(), tmp_path)
+    text = (tmp_path / "reports/tables/llm_costs.md").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]
+    assert lines == [
+        "| discover | anthropic | claude-sonnet-4-5 | 2 | 1 | 1 | 0 | 0 | 100 | 10 | 0.0010 |",
+        "| label | openai | served | 2 | 1 | 0 | 1 | 2 | 100 | 10 | no price |",
+        "| tau2_user | openai | served | 1 | 1 | 0 | 0 | 0 | 100 | 10 | no price |",
+        "| total |  |  | 5 | 3 | 1 | 1 | 2 | 300 | 30 | no price |",
+    ]

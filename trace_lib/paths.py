@@ -301,5 +301,5 @@ def stage_outs(paths: Paths) -> dict[str, list[Path]]:
                      tab("interference"), tab("capabilities"), fig("evaluate_success"),
                      fig("evaluate_routing_confusion"), fig("evaluate_interference")],
         "scaling": [p.scaling, p.metrics("scaling"), tab("scaling"), tab("ablations"), fig("scaling")],
-        "report": [p.table("environments"), p.html, p.index, p.metrics("report")],
+        "report": [p.table("environments"), p.table("llm_costs"), p.html, p.index, p.metrics("report")],
     }

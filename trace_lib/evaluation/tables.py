@@ -410,6 +410,43 @@ def not_run_table(metrics: dict[str, Any]) -> pd.DataFrame:
                          if m["status"] != "run"], columns=["method", "reason"])
 
 
+LLM_COST_COLUMNS = ["stage", "backend", "model", "calls", "sent", "cache hits", "errors", "retries", "input tokens",
+                    "output tokens", "cost (USD)"]
+
+
+def llm_cost_frame(ledgers: Sequence[Sequence[Mapping[str, Any]]]) -> pd.DataFrame:
+    """Every LLM call of a run, from its ledgers' rows (`analyst.llm` writes them): one row per stage, backend and
+    model, then a total. Tokens and cost count the requests sent (a cache hit is free); the cost is 'no price'
+    where a sent request's model has none (`analyst.prices`)."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for rows in ledgers:
+        for r in rows:
+            g = groups.setdefault((r.get("stage") or "-", r.get("backend", "-"), r.get("model", "-")),
+                                  dict.fromkeys(LLM_COST_COLUMNS[3:10], 0) | {"cost": 0.0})
+            g["calls"] += 1
+            g["retries"] += int(r.get("retries", 0))
+            g["errors"] += bool(r.get("error"))
+            if r.get("cached"):
+                g["cache hits"] += 1
+                continue
+            g["sent"] += not r.get("error")
+            g["input tokens"] += int(r.get("input_tokens", 0))
+            g["output tokens"] += int(r.get("output_tokens", 0))
+            cost = r.get("cost_usd")
+            g["cost"] = None if g["cost"] is None or (cost is None and not r.get("error")) else g["cost"] + (cost or 0.0)
+    def money(c: float | None) -> str:
+        return "no price" if c is None else f"{c:.4f}"
+
+    out = [{"stage": s, "backend": b, "model": m, **{k: g[k] for k in LLM_COST_COLUMNS[3:10]},
+            "cost (USD)": money(g["cost"])} for (s, b, m), g in groups.items()]
+    if out:
+        total = {k: sum(g[k] for g in groups.values()) for k in LLM_COST_COLUMNS[3:10]}
+        costs = [g["cost"] for g in groups.values()]
+        out.append({"stage": "total", "backend": "", "model": "", **total,
+                    "cost (USD)": money(None if any(c is None for c in costs) else sum(costs))})
+    return pd.DataFrame(out, columns=LLM_COST_COLUMNS)
+
+
 def markdown(df: pd.DataFrame) -> str:
     """A GitHub markdown table (no tabulate dependency); '|' in cells escaped."""
     if df.empty and not len(df.columns):

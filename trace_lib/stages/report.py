@@ -5,7 +5,9 @@ Reads   reports/notebooks/*.ipynb (each stage's executed notebook), reports/tabl
         when there is one).
 Writes  reports/tables/environments.md: Table 1 across environments, this run's block beside those of the
         other runs named in `report.environments` (their reports/tables/table1.csv and
-        reports/metrics/evaluate.json; not DVC deps, as for `scaling.ablation_runs`);
+        reports/metrics/evaluate.json; not DVC deps, as for `scaling.ablation_runs`); reports/tables/llm_costs.md:
+        every LLM call of the run (the analyst's, the synthesizer's, GEPA's and the LLM user's ledgers; the
+        last lives with its persistent cache, `env.user_cache_dir`) by stage, backend and model, tokens and cost;
         reports/html/<name>.html, each executed notebook as self-contained HTML (images embedded, no
         script or stylesheet fetched from a CDN); reports/index.html, the params, a fingerprint of the
         pipeline, links to the notebooks, the tables, metrics and figures inline, with relative links
@@ -33,12 +35,20 @@ import yaml
 from nbconvert import HTMLExporter
 
 from trace_lib.config import Params
-from trace_lib.evaluation.tables import TABLE1_COLUMNS, EnvBlock, environments_table, findings, markdown
-from trace_lib.io import atomic_write_text, write_json
+from trace_lib.evaluation.tables import (
+    TABLE1_COLUMNS,
+    EnvBlock,
+    environments_table,
+    findings,
+    llm_cost_frame,
+    markdown,
+)
+from trace_lib.io import atomic_write_text, iter_jsonl, write_json
 from trace_lib.paths import Paths
 
 SELF = "08_report"  # the notebook running this stage: still executing, so it cannot be exported
-TABLE_ORDER = ("table1", "environments", "routing", "interference", "capabilities", "scaling", "ablations")
+TABLE_ORDER = ("table1", "environments", "routing", "interference", "capabilities", "scaling", "ablations",
+               "llm_costs")
 
 # JupyterLab's template, less the blocks that load require.js, MathJax, mermaid and widgets from a CDN:
 # the notebooks hold no widgets or diagrams, and their formulas are written in Unicode.
@@ -260,6 +270,27 @@ def environments_markdown(blocks: list[EnvBlock]) -> str:
     return "# Table 1 across environments\n\n" + note + "\n\n" + markdown(environments_table(blocks))
 
 
+def llm_ledgers(params: Params, root: Path) -> list[Path]:
+    """Every LLM ledger a run writes, in pipeline order (the LLM user's with its persistent cache)."""
+    paths = Paths(root)
+    user = Path(params.env.user_cache_dir)
+    return [paths.discover_ledger, paths.score_ledger, paths.synth_ledger, paths.oracle_llm, paths.gepa_llm,
+            user / "ledger.jsonl" if user.is_absolute() else Path(root) / user / "ledger.jsonl"]
+
+
+def llm_costs_markdown(params: Params, root: Path) -> str:
+    """The LLM cost table (`evaluation.tables.llm_cost_frame`) over the run's ledgers, as markdown."""
+    frame = llm_cost_frame([list(iter_jsonl(p)) for p in llm_ledgers(params, root) if p.is_file()])
+    head = ("# LLM calls and their cost\n\nEvery call the run's LLM parts made (analyst, synthesizer, GEPA's "
+            "reflection, the LLM user), from their ledgers; tokens and cost count the requests sent, a cache hit is "
+            "free. Prices: `analyst.prices` on top of the built-in Claude list prices; a model without one shows "
+            "'no price'.\n\n")
+    if frame.empty:
+        return head + ("No LLM call was made: the rules analyst, the template synthesizer and scripted users need "
+                       "none.\n")
+    return head + markdown(frame)
+
+
 def run_report(params: Params, root: Path = Path("."), *, params_path: str | Path | None = None,
                overrides: dict[str, Any] | None = None, self_name: str = SELF) -> dict[str, Any]:
     """Export the executed notebooks, write reports/index.html and reports/metrics/report.json.
@@ -275,6 +306,7 @@ def run_report(params: Params, root: Path = Path("."), *, params_path: str | Pat
         atomic_write_text(paths.table("environments"), environments_markdown(blocks))
     else:  # nothing evaluated anywhere: no table, and none left over from an earlier run
         paths.table("environments").unlink(missing_ok=True)
+    atomic_write_text(paths.table("llm_costs"), llm_costs_markdown(params, Path(root)))
     tables = {p.stem: p.read_text(encoding="utf-8") for p in sorted(paths.tables.glob("*.md"))}
     # report.json is this stage's own output: quoting last run's counts would make the page drift.
     own = paths.metrics("report")
