@@ -1171,3 +1171,33 @@ def test_the_train_stage_with_no_environment_writes_its_outputs_empty(tmp_path):
     assert metrics["adapters"] == {} and metrics["note"] == "no validated environments: no adapters trained"
     assert (tmp_path / "data/train").is_dir() and (tmp_path / "data/adapters/manifests.jsonl").read_text() == ""
     assert read_json(tmp_path / "reports/metrics/train.json") == metrics
+
+
+def test_the_baselines_get_tracess_discovery_and_calibration_even_when_no_environment_survived(tmp_path, monkeypatch):
+    """Every environment dropped by calibration: TRACE trained nothing but spent its discovery and calibration
+    rollouts, and GRPO on the target gets exactly those (a whole number of iterations of them)."""
+    from trace_lib.config import params_from_dict
+    from trace_lib.io import write_json
+    from trace_lib.records import AdapterManifest
+    from trace_lib.stages import train as stage
+    from trace_lib.training.trainer import planned_rollouts
+
+    params = params_from_dict({"train": {"groups": 1, "group_size": 2, "baselines": ["grpo_target", "grpo_target_late"],
+                                         "distill": {"iterations": 0}, "lockstep": False}})
+    budgets = {}
+
+    def fake_train(model_dir, sources, cfg, out_dir, *, name, timing_path, **kw):
+        budgets[name] = (cfg.rollout_budget, planned_rollouts(cfg), cfg.start_late)
+        out_dir.mkdir(parents=True)
+        (out_dir / "train_log.jsonl").write_text('{"iteration": 1, "reward": 0.0}\n')
+        write_json(timing_path, {"iterations": [], "total_seconds": 1.0, "seconds_per_iteration": 1.0})
+        return AdapterManifest(capability_id=name, path=str(out_dir), base_model="tiny", env_sha256="", backend="trl",
+                               rollouts_used=planned_rollouts(cfg), iterations=cfg.iterations)
+
+    monkeypatch.setattr(stage, "valid_envs", lambda root: [])
+    monkeypatch.setattr(stage, "trace_budget", lambda root, names, split: {"total": 48 + 96 + 3})
+    monkeypatch.setattr(stage, "target_source", lambda params, root: None)
+    monkeypatch.setattr(stage, "train_adapter_mixture", fake_train)
+    metrics = stage.run_train(params, tmp_path)
+    assert budgets == {"grpo_target": (147, 146, params.train.start_late), "grpo_target_late": (147, 146, 1.0)}
+    assert metrics["trace_budget"] == 147 and metrics["baselines_skipped"] == {}

@@ -125,10 +125,10 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 sampler=sampler, resume_at_most=resume.get(m.capability_id), **common)
 
         # TRACE's budget as the capability adapters will leave it (checked once they are done), so that the
-        # baselines can train beside them (`train.lockstep`)
+        # baselines can train beside them (`train.lockstep`): discovery and calibration count even where no
+        # environment survived to be trained on
         per_iter = cfg.groups * cfg.group_size
-        budget = (trace_budget(root, [], params.rollout.split)["total"] + len(envs) * planned_rollouts(cfg)
-                  if envs else 0)
+        budget = trace_budget(root, [], params.rollout.split)["total"] + len(envs) * planned_rollouts(cfg)
         baselines = {"grpo_target": lambda: [target_source(params, root)],
                      "grpo_target_late": lambda: [target_source(params, root)],
                      "merged_data": lambda: [source(m, cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
@@ -158,7 +158,7 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
                 resume_at_most=resume.get(DISTILLED), **common)
 
         def check_budget() -> None:
-            spent = trace_budget(root, [m.capability_id for m in envs], params.rollout.split)["total"] if envs else 0
+            spent = trace_budget(root, [m.capability_id for m in envs], params.rollout.split)["total"]
             if spent != budget:
                 raise RuntimeError(f"TRACE's budget came to {spent} rollouts where {budget} were planned (the "
                                    "baselines' budget): a capability adapter trained other iterations than its config's")
