@@ -713,10 +713,29 @@ def test_findings_are_sentences_computed_from_the_metrics():
     lines = findings(metrics)
     assert lines[0] == ("TRACE (argmax) − base: +12.5 pp [+4.0 pp, +21.0 pp] over 48 tasks; exact McNemar p = 0.0078 "
                         "(8 solved only by TRACE (argmax), 1 only by base).")
-    assert lines[1].startswith("TRACE (argmax) − GRPO on target: +12.5 pp") and lines[1].endswith(
+    assert lines[1].startswith("GRPO on target − base: +0.0 pp") and lines[1].endswith("at 352 rollouts.")
+    assert lines[2].startswith("TRACE (argmax) − GRPO on target: +12.5 pp") and lines[2].endswith(
         "at 352 rollouts against 352.")
-    assert lines[2] == "GRPO on target (reads played) did not run: no adapter."
-    assert lines[3] == "Methods that differ from the base model at p < 0.05: TRACE (argmax)."
-    assert lines[4] == "Router: knn; agreement with the oracle 0.75 on validation, 0.50 on test."
-    assert findings({"methods": {"trace_argmax": {"status": "not run", "reason": "no capability adapters"}}}) == [
-        "TRACE did not run: no capability adapters."]
+    assert lines[3] == "GRPO on target (reads played) did not run: no adapter."
+    assert lines[4] == "Methods that differ from the base model at p < 0.05: TRACE (argmax)."
+    assert lines[5] == "Router: knn; agreement with the oracle 0.75 on validation, 0.50 on test."
+    # no TRACE row: the baselines still against the base model
+    alone = {"methods": {"trace_argmax": {"status": "not run", "reason": "no capability adapters"},
+                         "grpo_target": {**metrics["methods"]["grpo_target"], "trace_vs": None}}}
+    assert findings(alone) == ["TRACE did not run: no capability adapters.", lines[1],
+                               "Methods that differ from the base model at p < 0.05: none."]
+
+
+def test_why_no_adapters_says_what_the_earlier_stages_recorded(tmp_path):
+    from trace_lib.evaluation.inputs import why_no_adapters
+    from trace_lib.records import SyntheticEnvManifest
+
+    assert why_no_adapters(tmp_path) == "no capability adapters under data/adapters/"
+    write_jsonl(Paths(tmp_path).env_manifests, [])
+    assert why_no_adapters(tmp_path) == "no capability adapters: the score stage kept no capability"
+    dropped = SyntheticEnvManifest(capability_id="communicate_result", source="template", path="", sha256="",
+                                   target_env="retail", valid=False,
+                                   reason="calibration: no setting in band (success in [0.1, 0.6]): ...")
+    write_jsonl(Paths(tmp_path).env_manifests, [dropped])
+    assert why_no_adapters(tmp_path) == ("no capability adapters: no environment to train on (communicate_result: "
+                                         "calibration: no setting in band)")

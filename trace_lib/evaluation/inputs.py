@@ -35,7 +35,7 @@ from typing import Any
 from trace_lib.config import EnvConfig
 from trace_lib.io import read_json, read_jsonl
 from trace_lib.paths import Paths
-from trace_lib.records import AdapterManifest, Capability, Trajectory
+from trace_lib.records import AdapterManifest, Capability, SyntheticEnvManifest, Trajectory
 from trace_lib.training.budget import total_rollouts
 
 DISTILLED = "distilled"
@@ -119,6 +119,20 @@ def synthetic_manifests(root: Path) -> dict[str, Any]:
     if not Paths(root).env_manifests.is_file():
         return {}
     return {m.capability_id: m for m in valid_envs(root)}
+
+
+def why_no_adapters(root: Path) -> str:
+    """Why no capability adapter exists, from the score and synthesize stages' records: nothing kept, or each kept
+    capability's environment and the reason it was not installed."""
+    paths = Paths(root)
+    if not paths.env_manifests.is_file():
+        return "no capability adapters under data/adapters/"
+    manifests = read_jsonl(paths.env_manifests, SyntheticEnvManifest)
+    if not manifests:
+        return "no capability adapters: the score stage kept no capability"
+    dropped = "; ".join(f"{m.capability_id}: {m.reason.split(' (')[0]}" for m in manifests if not m.valid)
+    return f"no capability adapters: no environment to train on ({dropped})" if dropped else (
+        "no capability adapters under data/adapters/")
 
 
 def reference_trajectory(box: Any, capability: str, target_cfg: EnvConfig, seed: int, difficulty: int) -> Trajectory:

@@ -375,23 +375,30 @@ def _difference(label: str, other: str, cmp: dict[str, Any]) -> str:
 
 
 def findings(metrics: dict[str, Any]) -> list[str]:
-    """The evaluation's findings as sentences computed from evaluate.json: TRACE against the base model, against
-    GRPO on the target and its reads-played ablation, and the router the TRACE rows used."""
+    """The evaluation's findings as sentences computed from evaluate.json: TRACE against the base model, GRPO on the
+    target and its reads-played ablation against the base model and against TRACE, the methods that differ from the
+    base model, and the router the TRACE rows used."""
     methods = metrics.get("methods", {})
     trace_key = next((k for k in ("trace_argmax", "trace_top_p") if methods.get(k, {}).get("status") == "run"), None)
+    trace = methods.get(trace_key or "", {})
+    label = trace.get("label", "TRACE")
     if trace_key is None:
         why = methods.get("trace_argmax", {}).get("reason", "no TRACE row in the metrics")
-        return [f"TRACE did not run: {why}."]
-    trace = methods[trace_key]
-    label = trace["label"]
-    out = [_difference(label, "base", trace["vs_base"]) + "."] if trace.get("vs_base") else []
+        out = [f"TRACE did not run: {why}."]
+    else:
+        out = [_difference(label, "base", trace["vs_base"]) + "."] if trace.get("vs_base") else []
     for key in ("grpo_target", "grpo_target_late"):
-        m = methods.get(key, {})
-        if m.get("status") == "run" and m.get("trace_vs"):
+        m = methods.get(key)
+        if m is None:
+            continue
+        if m.get("status") != "run":
+            out.append(f"{m.get('label', key)} did not run: {m.get('reason', '')}.")
+            continue
+        if m.get("vs_base"):
+            out.append(_difference(m["label"], "base", m["vs_base"]) + f", at {m.get('rollouts')} rollouts.")
+        if m.get("trace_vs"):
             out.append(_difference(label, m["label"], m["trace_vs"])
                        + f", at {trace.get('rollouts')} rollouts against {m.get('rollouts')}.")
-        elif m:
-            out.append(f"{m.get('label', key)} did not run: {m.get('reason', '')}.")
     significant = [m["label"] for m in methods.values() if m.get("status") == "run" and m.get("vs_base")
                    and m["vs_base"]["mcnemar"]["p_value"] < 0.05]
     out.append("Methods that differ from the base model at p < 0.05: " + (", ".join(significant) or "none") + ".")

@@ -180,7 +180,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     else:
         add("gepa", "gepa", "GEPA (system prompt)", gepa_reason)
     trace = {"budget_n": budget["total"], "source": "TRACE adapters"}
-    no_caps = "no capability adapters under data/adapters/" if not names else None
+    no_caps = inputs.why_no_adapters(root) if not names else None
     add("linear_merge", "linear_merge", "linear merge (α = 1/n)",
         no_caps or ("one capability adapter: its merge is the single adapter" if len(names) < 2 else None),
         lambda e, ts: {n: 1 / len(names) for n in names}, **trace)
