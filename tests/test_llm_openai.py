@@ -149,3 +149,109 @@ def test_a_server_without_a_key_gets_a_placeholder(tmp_path, monkeypatch):
         client = analyst_client(cfg.model_copy(update={"base_url": api.url, "model": MODEL}), None)
         assert client.backend == "openai" and client.complete("s", MSGS, max_tokens=8).text == "hi"
     assert api.headers[0]["authorization"] == "Bearer no-key"
+
+
+# --- the method's LLM parts end to end ----------------------------------------------------------------------
+class ChatServer:
+    """A local Chat Completions server that plays every LLM part of the pipeline from the request alone: discovery
+    (a proposal), labelling (LACKING on a failed trajectory, PRESENT on a solved one), the synthesizer (a module
+    that validates) and GEPA's reflection (a prompt)."""
+
+    def __init__(self, module: str) -> None:
+        from http.server import BaseHTTPRequestHandler
+
+        from local_http import LocalHTTP
+
+        self.requests: list[dict] = []
+        server = self
+
+        def answer(body: dict) -> str:
+            rf = body.get("response_format") or {}
+            props = rf.get("json_schema", {}).get("schema", {}).get("properties", {})
+            user = body["messages"][-1]["content"]
+            if "capabilities" in props:
+                return json.dumps({"capabilities": [{
+                    "name": "Communicate result", "description": "Tell the user the value the lookup returned.",
+                    "recognition": "a correct lookup, then no answer", "evidence": []}]})
+            if "labels" in props:
+                ids = props["labels"]["items"]["properties"]["capability_id"]["enum"]
+                label = "PRESENT" if "success=True" in user else "LACKING"
+                return json.dumps({"labels": [{"capability_id": c, "label": label, "rationale": "r"} for c in ids]})
+            if "training environments" in body["messages"][0]["content"]:
+                return f"```python\n{module}```"
+            return "```\nLook the order up, then say the value it holds.\n```"
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                server.requests.append(body)
+                data = json.dumps(_completion(answer(body))).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = LocalHTTP(Handler, "/v1")
+        self.url = self.http.url
+
+    def __enter__(self):
+        self.http.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.http.__exit__(*exc)
+
+
+@pytest.mark.e2e
+def test_discover_score_synthesize_and_gepa_on_an_openai_compatible_server(tmp_path, tiny_model_dir, monkeypatch):
+    """`analyst.backend: openai` with a `base_url`: the discover, score, synthesize (LLM) and evaluate (GEPA) stages
+    all call the server through the SDK, every call is in the cost table, and a rerun is served from the cache."""
+    from pathlib import Path
+
+    from test_detectors import play_retail, retail_tasks
+
+    from trace_lib.config import params_from_dict
+    from trace_lib.io import write_jsonl
+    from trace_lib.paths import Paths
+    from trace_lib.stages.discover import run_discover
+    from trace_lib.stages.evaluate import run_evaluate
+    from trace_lib.stages.report import llm_costs_markdown
+    from trace_lib.stages.score import run_score
+    from trace_lib.stages.synthesize import run_synthesize
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    module = (Path(__file__).parent / "synth_fixtures" / "good_lookup.py").read_text()
+    tasks = retail_tasks(2)
+    paths = Paths(tmp_path)
+    write_jsonl(paths.rollouts("train"), play_retail(tasks, "gold") + play_retail(tasks, "silent"))
+    with ChatServer(module) as server:
+        params = params_from_dict({
+            "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
+            "analyst": {"backend": "auto", "base_url": server.url, "model": MODEL, "max_retries": 0,
+                        "cache_dir": str(tmp_path / "cache"), "prices": {MODEL: (0.5, 1.5)}},
+            "env": {"families": [], "tasks_per_family": 2, "validation_fraction": 0, "test_tasks_per_family": 1,
+                    "max_steps": 2},
+            "discover": {"runs": 1, "batch_size": 50, "merge": "name"},
+            "score": {"n_runs": 2, "k_keep": 2, "n_boot": 50},
+            "synthesize": {"max_attempts": 1, "calibration": {"enabled": False}},
+            "rollout": {"max_new_tokens": 6, "constrained": False, "batch_size": 4},
+            "evaluate": {"router": "knn", "interference_seeds": 0, "n_boot": 50, "methods": ["base", "gepa"],
+                         "gepa_tasks": 2, "gepa_minibatch": 1}})
+        assert run_discover(params, tmp_path)["analyst"] == f"openai:{MODEL}"
+        score = run_score(params, tmp_path)
+        assert score["analyst"] == f"openai:{MODEL}" and score["kept"] == ["communicate_result"]
+        synth = run_synthesize(params, tmp_path)
+        assert synth["backend"] == "openai" and synth["valid"] == 1
+        evaluate = run_evaluate(params, tmp_path, progress=False)
+        assert evaluate["methods"]["gepa"]["status"] == "run" and evaluate["gepa"]["reflections"] >= 1
+        sent = len(server.requests)
+        assert run_discover(params, tmp_path)["analyst"] == f"openai:{MODEL}" and len(server.requests) == sent
+    assert all(r["model"] == MODEL and r["messages"][0]["role"] == "system" for r in server.requests)
+    table = llm_costs_markdown(params, tmp_path)
+    for stage in ("discover", "score", "synthesize", "gepa"):
+        assert f"| {stage} | openai | {MODEL} |" in table, table
+    assert "| total |" in table and "| no price |" not in table
