@@ -50,8 +50,10 @@ test: env
 test-fast: env
 	$(PYTEST) -m "not slow and not e2e"
 
+# JupyterLab at the repository root: the sources (notebooks/) and the executed copies (reports/notebooks/) side by
+# side; --allow-root only where the user is root (Jupyter refuses root without it).
 lab: env
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 clean-env:
 	rm -rf $(VENV)
