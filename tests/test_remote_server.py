@@ -116,7 +116,7 @@ def test_smollm2_on_vllm_as_the_analyst_discovers_and_labels_through_the_schema_
                         "cache_dir": str(tmp_path / "cache"), "max_retries": 1, "timeout_s": 300},
             "env": {"families": [], "tasks_per_family": 1, "validation_fraction": 0},
             "discover": {"runs": 1, "batch_size": 8, "max_batches": 1, "merge": "name", "max_tokens": 400},
-            "score": {"n_runs": 1, "k_keep": 1, "n_boot": 50, "max_tokens": 300}})
+            "score": {"n_runs": 1, "k_keep": 1, "n_boot": 50, "max_tokens": 300}, "evaluate": {"router": "knn"}})
         discovered = run_discover(params, tmp_path)
         assert discovered["analyst"] == "openai:smollm2-135m"
         ledger = [json.loads(x) for x in paths.discover_ledger.read_text().splitlines()]
@@ -127,4 +127,4 @@ def test_smollm2_on_vllm_as_the_analyst_discovers_and_labels_through_the_schema_
         sent = len(ledger)
         run_discover(params, tmp_path)  # the rerun: every reply from the cache
         rows = [json.loads(x) for x in paths.discover_ledger.read_text().splitlines()]
-        assert len(rows) == sent and all(r["cached"] for r in rows)
+        assert len(rows) == 2 * sent and all(r["cached"] for r in rows[sent:])  # appended to the ledger
