@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 class LocalHTTP:
@@ -23,3 +26,32 @@ class LocalHTTP:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=5)
+
+
+class JSONReplies(LocalHTTP):
+    """A local JSON API that answers each POST from the request alone: `reply(body, path)` gives (status, payload).
+    `requests` holds the bodies, `api_keys` the key each sent (`x-api-key`, or a bearer token)."""
+
+    def __init__(self, reply: Callable[[dict, str], tuple[int, Any]], path: str = "") -> None:
+        self.requests: list[dict] = []
+        self.api_keys: list[str] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server naming)
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                server.requests.append(body)
+                auth = self.headers.get("x-api-key") or self.headers.get("authorization", "")
+                server.api_keys.append(auth.removeprefix("Bearer "))
+                status, payload = reply(body, self.path)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(Handler, path)

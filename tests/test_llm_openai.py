@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from local_http import JSONReplies
 from test_llm import FakeMessagesAPI
 
 from trace_lib.analyst.llm import LLMClient, LLMError, analyst_client, ledger_totals, request_key
@@ -152,58 +153,27 @@ def test_a_server_without_a_key_gets_a_placeholder(tmp_path, monkeypatch):
 
 
 # --- the method's LLM parts end to end ----------------------------------------------------------------------
-class ChatServer:
-    """A local Chat Completions server that plays every LLM part of the pipeline from the request alone: discovery
-    (a proposal), labelling (LACKING on a failed trajectory, PRESENT on a solved one), the synthesizer (a module
-    that validates) and GEPA's reflection (a prompt)."""
+def chat_server(module: str) -> JSONReplies:
+    """A local Chat Completions server (its `url` ends in /v1) that plays every LLM part of the pipeline from the
+    request alone: discovery (a proposal), labelling (LACKING on a failed trajectory, PRESENT on a solved one), the
+    synthesizer (`module`, which validates) and GEPA's reflection (a prompt)."""
+    def answer(body: dict) -> str:
+        rf = body.get("response_format") or {}
+        props = rf.get("json_schema", {}).get("schema", {}).get("properties", {})
+        user = body["messages"][-1]["content"]
+        if "capabilities" in props:
+            return json.dumps({"capabilities": [{
+                "name": "Communicate result", "description": "Tell the user the value the lookup returned.",
+                "recognition": "a correct lookup, then no answer", "evidence": []}]})
+        if "labels" in props:
+            ids = props["labels"]["items"]["properties"]["capability_id"]["enum"]
+            label = "PRESENT" if "success=True" in user else "LACKING"
+            return json.dumps({"labels": [{"capability_id": c, "label": label, "rationale": "r"} for c in ids]})
+        if "training environments" in body["messages"][0]["content"]:
+            return f"```python\n{module}```"
+        return "```\nLook the order up, then say the value it holds.\n```"
 
-    def __init__(self, module: str) -> None:
-        from http.server import BaseHTTPRequestHandler
-
-        from local_http import LocalHTTP
-
-        self.requests: list[dict] = []
-        server = self
-
-        def answer(body: dict) -> str:
-            rf = body.get("response_format") or {}
-            props = rf.get("json_schema", {}).get("schema", {}).get("properties", {})
-            user = body["messages"][-1]["content"]
-            if "capabilities" in props:
-                return json.dumps({"capabilities": [{
-                    "name": "Communicate result", "description": "Tell the user the value the lookup returned.",
-                    "recognition": "a correct lookup, then no answer", "evidence": []}]})
-            if "labels" in props:
-                ids = props["labels"]["items"]["properties"]["capability_id"]["enum"]
-                label = "PRESENT" if "success=True" in user else "LACKING"
-                return json.dumps({"labels": [{"capability_id": c, "label": label, "rationale": "r"} for c in ids]})
-            if "training environments" in body["messages"][0]["content"]:
-                return f"```python\n{module}```"
-            return "```\nLook the order up, then say the value it holds.\n```"
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                server.requests.append(body)
-                data = json.dumps(_completion(answer(body))).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.http = LocalHTTP(Handler, "/v1")
-        self.url = self.http.url
-
-    def __enter__(self):
-        self.http.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.http.__exit__(*exc)
+    return JSONReplies(lambda body, path: (200, _completion(answer(body))), "/v1")
 
 
 @pytest.mark.e2e
@@ -228,7 +198,7 @@ def test_discover_score_synthesize_and_gepa_on_an_openai_compatible_server(tmp_p
     tasks = retail_tasks(2)
     paths = Paths(tmp_path)
     write_jsonl(paths.rollouts("train"), play_retail(tasks, "gold") + play_retail(tasks, "silent"))
-    with ChatServer(module) as server:
+    with chat_server(module) as server:
         params = params_from_dict({
             "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
             "analyst": {"backend": "auto", "base_url": server.url, "model": MODEL, "max_retries": 0,

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-from local_http import LocalHTTP
+from local_http import JSONReplies
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs.tau2 import build_env, tau2_tasks, to_task
@@ -128,36 +127,27 @@ def test_scripted_user_never_leaks_unknown_info(domain, task):
 
 
 # --- the LLM user -------------------------------------------------------------------------------
-class MessagesServer(LocalHTTP):
+def messages_server(answer: Callable[[dict], str]) -> JSONReplies:
     """A local POST /v1/messages endpoint; `answer(request_body)` gives each reply's text."""
+    def reply(body: dict, path: str) -> tuple[int, dict]:
+        return (200 if path == "/v1/messages" else 404), {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": body.get("model"),
+            "stop_reason": "end_turn", "stop_sequence": None, "content": [{"type": "text", "text": answer(body)}],
+            "usage": {"input_tokens": 50, "output_tokens": 9}}
 
-    def __init__(self, answer: Callable[[dict], str]) -> None:
-        self.requests: list[dict] = []
-        self.api_keys: list[str] = []
-        server = self
+    return JSONReplies(reply)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                server.requests.append(body)
-                auth = self.headers.get("x-api-key") or self.headers.get("authorization", "")
-                server.api_keys.append(auth.removeprefix("Bearer "))
-                status = 200 if self.path == "/v1/messages" else 404
-                payload = {"id": f"msg_{len(server.requests)}", "type": "message", "role": "assistant",
-                           "model": body.get("model"), "stop_reason": "end_turn", "stop_sequence": None,
-                           "content": [{"type": "text", "text": answer(body)}],
-                           "usage": {"input_tokens": 50, "output_tokens": 9}}
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
-            def log_message(self, *args):
-                pass
+def chat_completions_server(answer: Callable[[dict], str]) -> JSONReplies:
+    """A local POST /v1/chat/completions endpoint (its `url` ends in /v1); `answer(request_body)` gives each reply's
+    text."""
+    def reply(body: dict, path: str) -> tuple[int, dict]:
+        return (200 if path == "/v1/chat/completions" else 404), {
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body.get("model"),
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": answer(body)}}],
+            "usage": {"prompt_tokens": 50, "completion_tokens": 9, "total_tokens": 59}}
 
-        super().__init__(Handler)
+    return JSONReplies(reply, "/v1")
 
 
 def customer(body: dict) -> str:
@@ -172,7 +162,7 @@ def customer(body: dict) -> str:
 
 @pytest.fixture
 def api(monkeypatch):
-    with MessagesServer(customer) as server:
+    with messages_server(customer) as server:
         monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
         monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
         yield server
@@ -233,43 +223,11 @@ def test_llm_user_stop_token_ends_episode(api, tmp_path):
     assert result.observations[0].content.endswith("###STOP###")
 
 
-class ChatCompletionsServer(LocalHTTP):
-    """A local POST /v1/chat/completions endpoint; `answer(request_body)` gives each reply's text."""
-
-    def __init__(self, answer: Callable[[dict], str]) -> None:
-        self.requests: list[dict] = []
-        self.api_keys: list[str] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's naming)
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                server.requests.append(body)
-                server.api_keys.append(self.headers.get("authorization", "").removeprefix("Bearer "))
-                status = 200 if self.path == "/v1/chat/completions" else 404
-                payload = {"id": f"chatcmpl-{len(server.requests)}", "object": "chat.completion", "created": 0,
-                           "model": body.get("model"),
-                           "choices": [{"index": 0, "finish_reason": "stop",
-                                        "message": {"role": "assistant", "content": answer(body)}}],
-                           "usage": {"prompt_tokens": 50, "completion_tokens": 9, "total_tokens": 59}}
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        super().__init__(Handler, "/v1")
-
-
 def test_llm_user_on_an_openai_compatible_server(tmp_path, monkeypatch):
     """`env.user_backend: openai`: the same τ² user, its turns sent to a Chat Completions server."""
     monkeypatch.setenv("USER_SERVER_KEY", KEY)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
-    with ChatCompletionsServer(customer) as server:
+    with chat_completions_server(customer) as server:
         cfg = EnvConfig(name="tau2-retail", user="llm", max_steps=200, user_backend="openai",
                         user_base_url=server.url, user_api_key_env="USER_SERVER_KEY", user_model="served-user",
                         user_cache_dir=str(tmp_path / "user_cache"))
