@@ -321,18 +321,34 @@ def test_weighted_kinds_draw_only_the_evidence_kinds_and_stay_solvable(d):
     tasks = [b.generate_task(seed, d) for seed in range(24)]
     refusals = [t for t in tasks if "cancel" in t["user"]["reason_for_call"]]
     totals = [t for t in tasks if t not in refusals]
-    assert refusals and len(totals) > len(refusals)
-    assert all(t["user"]["reason_for_call"].count("pay in total") == len(t["gold_actions"]) for t in totals)
-    assert all(len(t["gold_actions"]) == max(1, d) for t in totals)
+    # 0: only the most reachable kind (total before refusal); 1: it in half; 2-3: the failures' 3:1, by seed
+    assert len(refusals) == {0: 0, 1: 12, 2: 6, 3: 6}[d] and len(totals) + len(refusals) == 24
+    assert all(t["user"]["reason_for_call"].count("pay in total") == 1 for t in totals)
+    assert all(len(t["gold_actions"]) == 1 for t in tasks)
     db = synth_sdk.target_db(TARGETS[0])
     # a total is asked only of an order of two or more items, where no item's price passes for the amount paid
     assert all(len(db.orders[g["arguments"]["order_id"]].items) >= 2 for t in totals for g in t["gold_actions"])
-    if d == 0:  # every other kind: the shortest records, orders of one item
+    if d <= 2:  # every other kind: the shortest records, orders of one item
         status = bind_template("communicate_result", TARGETS[0], {"status": 1})
-        orders = [g["arguments"]["order_id"] for seed in range(12) for g in status.generate_task(seed, 0)["gold_actions"]]
+        orders = [g["arguments"]["order_id"] for seed in range(12) for g in status.generate_task(seed, d)["gold_actions"]]
         assert all(len(db.orders[o].items) == 1 for o in orders)
     for t in tasks:
         assert play(b, t, b.solve(t)) == 1.0
+
+
+def test_kind_sequence_spreads_each_kind_by_its_weight():
+    from trace_lib.synth.templates_read import kind_sequence, reachable_kinds
+
+    weights = {"status": 5, "total": 6, "tracking": 6, "refusal": 6}
+    seq = kind_sequence(weights)
+    assert {k: seq.count(k) for k in weights} == weights
+    for start in range(len(seq) - 5):  # six consecutive seeds of a cycle draw every kind, none three times
+        window = seq[start:start + 6]
+        assert set(window) == set(weights) and max(map(window.count, weights)) <= 2
+    assert reachable_kinds(weights, 0) == {"status": 5}
+    assert reachable_kinds(weights, 1) == {"status": 18, "total": 6, "tracking": 6, "refusal": 6}
+    assert reachable_kinds(weights, 2) == reachable_kinds(weights, 3) == weights
+    assert reachable_kinds({"refusal": 2}, 0) == {"refusal": 2}
 
 
 def test_kinds_render_into_the_module_and_only_where_the_template_draws_them():

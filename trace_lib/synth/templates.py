@@ -85,7 +85,7 @@ class BoundTemplate:
         if not DIFFICULTY["min"] <= difficulty <= DIFFICULTY["max"]:
             raise ValueError(f"difficulty must be in [{DIFFICULTY['min']}, {DIFFICULTY['max']}], got {difficulty}")
         cap = self.template.capability
-        extra = {"kinds": self.task_kinds} if self.task_kinds else {}
+        extra = {"kinds": self.task_kinds, "seed": seed} if self.task_kinds else {}
         fields = self.template.generate(pool(self.target["name"]), random.Random(f"{cap}:{seed}:{difficulty}"),
                                         difficulty, **extra)
         plan = fields.pop("plan")

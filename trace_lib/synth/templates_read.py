@@ -213,7 +213,8 @@ def _refusal_task(pool: Pool, rng: random.Random) -> dict[str, Any]:
 
 FACT_KINDS = ("status", "items", "city", "total", "tracking", "refusal")
 """What a communicate_result task asks: one of an order's facts, or (refusal) to cancel an order that is no longer
-pending, answered with its status."""
+pending, answered with its status; most reachable first (a top-level field, then nested ones, then the restraint
+of not writing)."""
 
 
 def _fact_of_kind(kind: str, max_items: int | None = None):
@@ -259,15 +260,44 @@ def evidence_kinds(db, tasks: list[dict[str, Any]]) -> dict[str, int]:
     return {k: n for k, n in counts.items() if n}
 
 
-def _communicate_task(pool: Pool, rng: random.Random, d: int, kinds: dict[str, int] | None = None) -> dict[str, Any]:
-    if kinds:  # the failures' own kinds, as often as they failed; 0: one single-item order, 1: one order, 2-3: more
-        kind = rng.choices(sorted(kinds), weights=[kinds[k] for k in sorted(kinds)])[0]
+def reachable_kinds(kinds: dict[str, int], d: int) -> dict[str, int]:
+    """The kind weights difficulty `d` draws: at 0 only the evidence's most reachable kind (the first of `FACT_KINDS`
+    in it), at 1 that kind half of the draws and the others their share of the rest, from 2 the failures' own
+    weights. A group whose every rollout fails teaches GRPO nothing, so the easy rungs lean on the kind the base
+    model sometimes gets right."""
+    first = next((k for k in FACT_KINDS if k in kinds), None)
+    if d > 1 or first is None or len(kinds) < 2:
+        return dict(kinds)
+    if d == 0:
+        return {first: kinds[first]}
+    return {**kinds, first: sum(w for k, w in kinds.items() if k != first)}
+
+
+def kind_sequence(kinds: dict[str, int]) -> list[str]:
+    """One cycle of the kinds, each as often as its weight and spread evenly (smooth weighted round robin; ties go
+    to the first in sorted order), so any run of consecutive seeds draws the kinds near their shares."""
+    total = sum(kinds.values())
+    current = dict.fromkeys(sorted(kinds), 0)
+    out: list[str] = []
+    for _ in range(total):
+        for k in current:
+            current[k] += kinds[k]
+        pick = max(current, key=lambda k: current[k])
+        current[pick] -= total
+        out.append(pick)
+    return out
+
+
+def _communicate_task(pool: Pool, rng: random.Random, d: int, kinds: dict[str, int] | None = None,
+                      seed: int = 0) -> dict[str, Any]:
+    if kinds:  # the failures' own kinds, by seed (`kind_sequence`); 0-2: one order of a single item, 3: one order
+        sequence = kind_sequence(reachable_kinds(kinds, d))
+        kind = sequence[seed % len(sequence)]
         if kind == "refusal":
             return _refusal_task(pool, rng)
         statuses = ("processed", "delivered") if kind == "tracking" else ("pending", "processed", "delivered",
                                                                           "cancelled")
-        return _fact_task(pool, rng, statuses, _fact_of_kind(kind, 1 if d == 0 else None), [[1], [1], [1, 1],
-                                                                                             [1, 1, 1]][d],
+        return _fact_task(pool, rng, statuses, _fact_of_kind(kind, 1 if d <= 2 else None), [1],
                           f"the {kind} asked for")
     if d == 0 and rng.random() < REFUSAL_SHARE:
         return _refusal_task(pool, rng)
@@ -304,8 +334,9 @@ TEMPLATES = (
              "steps orders_read (share of the orders read) and facts_said (share of the facts asked for said, each "
              "item name of a list); gate no_write (a cancellation attempted fails the episode).",
              "0: one fact, or (a third of tasks) a refused cancellation; 1: two facts; 2: three facts over two "
-             "orders; 3: four facts over two orders. With kinds from the evidence: each task one kind, drawn as "
-             "often as the failures asked it; 0: one order of a single item (the shortest record), 1: one order, "
-             "2: two orders, 3: three.",
+             "orders; 3: four facts over two orders. With kinds from the evidence: each task one kind, by seed, as "
+             "often as the failures asked it, about one order: 0: only the most reachable of those kinds (status "
+             "before items, city, total, tracking, refusal); 1: that kind in half of the tasks; 2: the failures' "
+             "mix; 0-2 ask about an order of a single item (the shortest record), 3: the mix about any order.",
              _communicate_task, _facts_check, weighted=True),
 )
