@@ -114,7 +114,7 @@ def test_git_commit_is_none_outside_a_checkout(tmp_path: Path):
 def test_run_report_writes_index_and_metrics(tree: Path):
     metrics = run_report(load_params(tree / "params.yaml"), tree)
     assert metrics == {"notebooks": 2, "exported": ["00_alpha", "01_beta"], "tables": 5, "metrics_files": 1,
-                       "figures": 2}  # the three above, Table 1 across environments (params.yaml names the phone)
+                       "figures": 2, "capability_pages": 0}  # the three above, Table 1 across environments (params.yaml names the phone)
     # and the LLM cost table, which says no LLM was called
     assert "No LLM call was made" in (tree / "reports" / "tables" / "llm_costs.md").read_text()
     assert json.loads((tree / "reports" / "metrics" / "report.json").read_text()) == metrics

@@ -66,6 +66,21 @@ class Paths:
         return self.reports / "index.html"
 
     @property
+    def provenance(self) -> Path:
+        """`reports/provenance.json`: one record per kept capability (`evaluation.provenance`)."""
+        return self.reports / "provenance.json"
+
+    @property
+    def capability_pages(self) -> Path:
+        """`reports/capabilities/<id>.html`: each kept capability's provenance page."""
+        return self.reports / "capabilities"
+
+    @property
+    def trajectory_viewer(self) -> Path:
+        """`reports/trajectories.html`: every stored episode of the run, filterable."""
+        return self.reports / "trajectories.html"
+
+    @property
     def train_logs(self) -> Path:
         """`reports/train/<adapter>.csv`: training logs under TRL's metric names (dvc plots)."""
         return self.reports / "train"
@@ -301,5 +316,6 @@ def stage_outs(paths: Paths) -> dict[str, list[Path]]:
                      tab("interference"), tab("capabilities"), fig("evaluate_success"),
                      fig("evaluate_routing_confusion"), fig("evaluate_interference")],
         "scaling": [p.scaling, p.metrics("scaling"), tab("scaling"), tab("ablations"), fig("scaling")],
-        "report": [p.table("environments"), p.table("llm_costs"), p.html, p.index, p.metrics("report")],
+        "report": [p.table("environments"), p.table("llm_costs"), p.html, p.index, p.provenance, p.capability_pages,
+                   p.trajectory_viewer, p.metrics("report")],
     }

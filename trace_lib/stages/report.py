@@ -11,7 +11,10 @@ Writes  reports/tables/environments.md: Table 1 across environments, this run's 
         reports/html/<name>.html, each executed notebook as self-contained HTML (images embedded, no
         script or stylesheet fetched from a CDN); reports/index.html, the params, a fingerprint of the
         pipeline, links to the notebooks, the tables, metrics and figures inline, with relative links
-        only; reports/metrics/report.json (counts).
+        only; reports/provenance.json, reports/capabilities/<id>.html and reports/trajectories.html (each kept
+        capability from its evidence to the test tasks it changed, and every stored episode:
+        `evaluation.provenance`, `evaluation.pages`, reading data/rollouts, data/score, data/envs,
+        data/adapters, data/train and data/evaluate); reports/metrics/report.json (counts).
 The bytes are a function of those inputs alone (no timestamps), so an unchanged pipeline rebuilds an
 unchanged page. This stage implements no part of the paper; it presents the others.
 """
@@ -22,6 +25,7 @@ import hashlib
 import html
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,8 @@ import yaml
 from nbconvert import HTMLExporter
 
 from trace_lib.config import Params
+from trace_lib.evaluation.pages import capability_links, capability_page, viewer_page, viewer_rows
+from trace_lib.evaluation.provenance import provenance, read_run
 from trace_lib.evaluation.tables import (
     TABLE1_COLUMNS,
     EnvBlock,
@@ -155,7 +161,8 @@ def metrics_html(name: str, data: Any) -> str:
 
 def render_index(*, params_text: str, resolved: dict | None, profile: str, overrides: dict, digest: str | None,
                  commit: str | None, notebooks: list[tuple[str, str]], tables: dict[str, str],
-                 metrics: dict[str, Any], figures: list[str], self_name: str = SELF) -> str:
+                 metrics: dict[str, Any], figures: list[str], self_name: str = SELF,
+                 capabilities: str = "") -> str:
     """The index page from already-read inputs (pure: equal inputs give equal bytes)."""
     esc = html.escape
     nb_items = "".join(f'<li><a href="html/{quote(n)}.html">{esc(n)}</a>{" — " + esc(t) if t else ""}</li>'
@@ -163,8 +170,8 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
     nb_items += (f'<li><a href="notebooks/{quote(self_name)}.ipynb">{esc(self_name)}</a> — this page\'s '
                  "notebook (still running while the page is built, so linked as .ipynb, not exported)</li>")
     found = findings(metrics["evaluate"]) if "evaluate" in metrics else []
-    nav = [("findings", found), ("notebooks", True), ("tables", tables), ("figures", figures), ("metrics", metrics),
-           ("params", True)]
+    nav = [("findings", found), ("capabilities", capabilities), ("notebooks", True), ("tables", tables),
+           ("figures", figures), ("metrics", metrics), ("params", True)]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -180,6 +187,10 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
         parts += ['<h2 id="findings">Findings</h2>',
                   "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in found) + "</ul>",
                   '<p class="src">computed from reports/metrics/evaluate.json</p>']
+    if capabilities:
+        parts += ['<h2 id="capabilities">Capabilities: from the failures to the tasks changed</h2>', capabilities,
+                  '<p><a href="trajectories.html">Every episode of the run</a> (rollouts and evaluation, filterable)'
+                  ' · <a href="provenance.json">provenance.json</a></p>']
     parts += ['<h2 id="notebooks">Executed notebooks</h2>', f"<ul>{nb_items}</ul>"]
     if tables:
         parts.append('<h2 id="tables">Tables</h2>')
@@ -291,6 +302,26 @@ def llm_costs_markdown(params: Params, root: Path) -> str:
     return head + markdown(frame)
 
 
+def write_provenance(paths: Paths) -> list[dict[str, Any]]:
+    """reports/provenance.json, a page per kept capability (the folder rebuilt whole, so no page of an earlier
+    run's capability stays) and the episode viewer; returns the records."""
+    run = read_run(paths.root)
+    records = provenance(run)
+    write_json(paths.provenance, records)
+    train = {t.id: t for t in run.train_episodes}
+    shutil.rmtree(paths.capability_pages, ignore_errors=True)
+    for record in records:
+        atomic_write_text(paths.capability_pages / f"{record['capability']['id']}.html",
+                          capability_page(record, train, run.evaluation))
+    evidence_of: dict[str, list[str]] = {}
+    for cap in run.kept:
+        for tid in cap.evidence:
+            evidence_of.setdefault(tid, []).append(cap.id)
+    atomic_write_text(paths.trajectory_viewer, viewer_page(viewer_rows(run.train_episodes, run.evaluation,
+                                                                       evidence_of)))
+    return records
+
+
 def run_report(params: Params, root: Path = Path("."), *, params_path: str | Path | None = None,
                overrides: dict[str, Any] | None = None, self_name: str = SELF) -> dict[str, Any]:
     """Export the executed notebooks, write reports/index.html and reports/metrics/report.json.
@@ -313,11 +344,13 @@ def run_report(params: Params, root: Path = Path("."), *, params_path: str | Pat
     metrics = {p.stem: json.loads(p.read_text(encoding="utf-8"))
                for p in sorted(paths.metrics_dir.glob("*.json")) if p != own}
     figures = [p.stem for p in sorted(paths.figures.glob("*.png"))]
+    records = write_provenance(paths)
     page = render_index(params_text=params_text, resolved=params.model_dump(mode="json"), profile=params.profile,
                         overrides=overrides or {}, digest=lock_digest(paths.lock), commit=git_commit(root),
-                        notebooks=notebooks, tables=tables, metrics=metrics, figures=figures, self_name=self_name)
+                        notebooks=notebooks, tables=tables, metrics=metrics, figures=figures, self_name=self_name,
+                        capabilities=capability_links(records))
     atomic_write_text(paths.index, page)
     summary = {"notebooks": len(notebooks), "exported": [n for n, _ in notebooks], "tables": len(tables),
-               "metrics_files": len(metrics), "figures": len(figures)}
+               "metrics_files": len(metrics), "figures": len(figures), "capability_pages": len(records)}
     write_json(own, summary)
     return summary
