@@ -55,8 +55,10 @@ def test_profile_overrides_lists_only_values_that_differ():
 @pytest.mark.parametrize(
     "data, key",
     [
-        ({"rollout": {"temperatur": 0.5}}, "rollout.temperatur: unknown key"),
-        ({"rolout": {}}, "rolout: unknown key"),
+        ({"rollout": {"temperatur": 0.5}}, "rollout.temperatur: unknown key (did you mean 'temperature'?)"),
+        ({"rolout": {}}, "rolout: unknown key (did you mean 'rollout'?)"),
+        ({"train": {"reward": {"lamm": 1}}}, "train.reward.lamm: unknown key (did you mean 'lam'?)"),
+        ({"rollout": {"zzz": 1}}, "rollout.zzz: unknown key"),
         ({"rollout": {"batch_size": "eight"}}, "rollout.batch_size"),
         ({"rollout": {"batch_size": 0}}, "rollout.batch_size"),
         ({"env": {"max_steps": -1}}, "env.max_steps"),
@@ -72,8 +74,23 @@ def test_profile_overrides_lists_only_values_that_differ():
 def test_bad_keys_and_types_name_the_key(data, key):
     with pytest.raises(ConfigError) as err:
         params_from_dict(data, "params.yaml")
-    assert key in str(err.value)
-    assert str(err.value).startswith("params.yaml")
+    assert key in str(err.value) and str(err.value).startswith("params.yaml")
+    if key == "rollout.zzz: unknown key":  # nothing close: no guess
+        assert "did you mean" not in str(err.value)
+
+
+def test_a_gpu_profile_without_cuda_is_accepted_with_a_warning(monkeypatch):
+    import trace_lib.config as config
+
+    monkeypatch.setattr(config, "_cuda_available", lambda: False)
+    with pytest.warns(config.ProfileWithoutGPU, match="profile 'gpu' is sized for a GPU .* no CUDA device"):
+        assert params_from_dict({"profile": "gpu"}).profile == "gpu"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", config.ProfileWithoutGPU)
+        params_from_dict({"profile": "cpu"})
+        params_from_dict({"profile": "gpu", "model": {"device": "cpu"}})  # asked for the CPU outright
+        monkeypatch.setattr(config, "_cuda_available", lambda: True)
+        params_from_dict({"profile": "paper"})
 
 
 def test_load_params_file(tmp_path: Path):

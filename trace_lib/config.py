@@ -9,6 +9,7 @@ any work starts, with an error that names the key (e.g. `rollout.temperatur: unk
 from __future__ import annotations
 
 import copy
+import difflib
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,10 @@ class ConfigError(ValueError):
 
 class ProfileOverride(UserWarning):
     """A params value that replaces one the chosen profile sets (allowed, and said out loud)."""
+
+
+class ProfileWithoutGPU(UserWarning):
+    """A GPU-sized profile on a machine where torch sees no CUDA device (allowed: it runs, for hours)."""
 
 
 class Section(BaseModel):
@@ -759,13 +764,35 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the section `loc` lies in ([] where that is no section of `Params`)."""
+    model: type[BaseModel] = Params
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        what = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        what = e["msg"]
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(e["loc"][-1]), _section_fields(e["loc"]), n=1, cutoff=0.7)
+            what = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
         lines.append(f"{key}: {what}")
     return f"{source}: " + "; ".join(lines)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def params_from_dict(data: dict[str, Any], source: str = "params") -> Params:
@@ -781,6 +808,12 @@ def params_from_dict(data: dict[str, Any], source: str = "params") -> Params:
         raise ConfigError(_format_error(err, source)) from None
     for key, (theirs, ours) in profile_overrides(data, profile).items():
         warnings.warn(f"{source}: {key}: {ours!r} replaces profile {profile!r}'s {theirs!r}", ProfileOverride,
+                      stacklevel=2)
+    if profile != "cpu" and params.model.device != "cpu" and not _cuda_available():
+        t = params.train
+        warnings.warn(f"{source}: profile {profile!r} is sized for a GPU ({t.iterations} iterations of "
+                      f"{t.groups} x {t.group_size} rollouts per adapter) and torch sees no CUDA device here: "
+                      "on this CPU it would take hours; `profile: cpu` is the CPU default", ProfileWithoutGPU,
                       stacklevel=2)
     return params
 
