@@ -354,7 +354,7 @@ def test_table1_renders_not_run_rows_budget_and_best_single():
     runs = _runs()
     summarize_runs(runs, n_boot=200, seed=0)
     df = table1(runs, ["y", "x"], trace_total=660)
-    assert list(df.columns) == ["method", "y", "x", "overall", "rollouts", "budget vs TRACE", "note"]
+    assert list(df.columns) == ["method", "overall", "rollouts", "budget vs TRACE", "note", "y", "x"]
     assert list(df["method"]) == ["base", "GRPO on target", "GEPA (system prompt)", "merged data (one adapter)",
                                   "linear merge (α = 1/n)", "single-capability (best: a)", "single: a", "single: b",
                                   "TRACE (argmax)", "TRACE (top-p)"]
@@ -368,7 +368,7 @@ def test_table1_renders_not_run_rows_budget_and_best_single():
     assert rows.loc["single: b", "budget vs TRACE"] == "0.52×" and rows.loc["base", "budget vs TRACE"] == "0.00×"
     assert "chosen on this split" in rows.loc["single-capability (best: a)", "note"]
     md = markdown(df)
-    assert md.splitlines()[0].startswith("| method | y | x | overall | rollouts |")
+    assert md.splitlines()[0].startswith("| method | overall | rollouts | budget vs TRACE | note | y | x |")
     assert f"| not run: {RULES_REASON} |" in md and md.count("\n") == len(df) + 2
     long = table1_long(runs, ["y", "x"])
     assert len(long) == 3 * len(df) and set(long["status"]) == {"run", "not run"}
@@ -626,7 +626,7 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     assert list(skipped.columns) == ["method", "reason"] and len(skipped) == len(methods) - len(ran)
     assert skipped.set_index("method").loc["GEPA (system prompt)", "reason"] == RULES_REASON
     table = (tmp_path / "reports" / "tables" / "table1.md").read_text()
-    assert "| order_total | refuse_cancel | overall | rollouts | budget vs TRACE | note |" in table
+    assert "| method | overall | rollouts | budget vs TRACE | note | order_total | refuse_cancel |" in table
     assert f"not run: {RULES_REASON}" in table
     for name in ("routing.md", "interference.md", "capabilities.md", "table1.csv"):
         assert (tmp_path / "reports" / "tables" / name).is_file()

@@ -202,9 +202,10 @@ def reward_cell(row: dict[str, Any] | None) -> str:
 
 def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int,
            mean_reward: bool | None = None) -> pd.DataFrame:
-    """Paper Table 1's shape: one row per method, one column per family/domain and overall (success %,
-    95% CI), the mean reward with its 95% CI when `mean_reward` (None: when some episode's reward is
-    graded, `graded`), rollouts spent, that budget relative to TRACE's, and a note ('not run: why')."""
+    """Paper Table 1's content, the columns a reader needs first: one row per method, overall success (%, 95% CI),
+    the mean reward with its 95% CI when `mean_reward` (None: when some episode's reward is graded, `graded`),
+    rollouts spent, that budget relative to TRACE's and a note ('not run: why'); then one column per
+    family/domain."""
     rows = []
     extra = ["mean reward"] if (graded(runs) if mean_reward is None else mean_reward) else []
     for r in ordered_rows(runs):
@@ -220,7 +221,7 @@ def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int,
         cells["note"] = f"not run: {r.reason}" if not r.ran else r.note or (
             "rollouts from the adapter manifest (no ledger found)" if r.budget_source == "manifest" else "")
         rows.append(cells)
-    return pd.DataFrame(rows, columns=["method", *groups, "overall", *extra, "rollouts", "budget vs TRACE", "note"])
+    return pd.DataFrame(rows, columns=["method", "overall", *extra, "rollouts", "budget vs TRACE", "note", *groups])
 
 
 TABLE1_COLUMNS = ("method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high",

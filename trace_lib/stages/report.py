@@ -53,6 +53,25 @@ from trace_lib.io import atomic_write_text, iter_jsonl, write_json
 from trace_lib.paths import Paths
 
 SELF = "08_report"  # the notebook running this stage: still executing, so it cannot be exported
+FIGURE_CAPTIONS = {
+    "rollout_success_by_family": "The base model's success per task family on the train split, with 95% intervals "
+                                 "(what discovery contrasts).",
+    "score_error_rates": "Each candidate capability's error rate where the analyst labelled it PRESENT and where "
+                         "LACKING (✓: kept).",
+    "score_delta_coverage": "Contrastive gap Δ against coverage; the kept candidates lie past both thresholds.",
+    "score_stability": "How often each candidate was kept across labelling runs, and its Δ in each run.",
+    "train_curves": "Training per iteration: mean reward, on-policy success, groups with identical rewards and tool "
+                    "calls, one line per adapter.",
+    "train_efficiency": "The efficiency penalty's threshold and the tool calls of correct episodes per iteration "
+                        "(empty when the reward has no efficiency term).",
+    "train_vs_base": "Each adapter against the base model on its own environment's held-out seeds.",
+    "train_rubric": "Each rubric item's mean per iteration (partial credit), per adapter.",
+    "evaluate_success": "Test-split success per method with 95% intervals (Table 1's overall column).",
+    "evaluate_routing_confusion": "The router's choice against the oracle's, per test task.",
+    "evaluate_interference": "Each adapter on each capability's environment: the diagonal is the adapter at home.",
+    "scaling": "Test success against training rollouts, TRACE and the baselines at intermediate budgets.",
+}
+"""Caption of each figure the stages draw; the index shows them in this order (the pipeline's), others after."""
 TABLE_ORDER = ("table1", "environments", "routing", "interference", "capabilities", "scaling", "ablations",
                "llm_costs")
 
@@ -67,10 +86,10 @@ _OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
 
 _CSS = """body{font:15px/1.45 system-ui,sans-serif;max-width:70em;margin:2em auto;padding:0 1em;color:#222}
 h1,h2{border-bottom:1px solid #ddd;padding-bottom:.2em}
-table{border-collapse:collapse;margin:.5em 0 1em;display:block;overflow-x:auto;max-width:100%}th,td{border:1px solid #ccc;padding:.25em .6em}
+table{border-collapse:collapse;margin:.5em 0 1em;display:block;overflow-x:auto;max-width:100%}th,td{border:1px solid #ccc;padding:.25em .6em;max-width:32em}
 th{background:#f3f3f3}tbody tr:nth-child(even){background:#fafafa}
 pre{background:#f6f8fa;padding:.8em;overflow-x:auto;font-size:13px}
-figure{display:inline-block;margin:0 1em 1em 0;vertical-align:top}
+figure{display:inline-block;margin:0 1em 1em 0;vertical-align:top;max-width:46em}
 figure img{max-width:100%;border:1px solid #eee}figcaption,.src{color:#666;font-size:13px}"""
 
 
@@ -148,6 +167,12 @@ def table_order(names: list[str]) -> list[str]:
     return known + sorted(n for n in names if n not in TABLE_ORDER)
 
 
+def figure_order(names: list[str]) -> list[str]:
+    """Figures in pipeline order (`FIGURE_CAPTIONS`), any other after them by name."""
+    known = [n for n in FIGURE_CAPTIONS if n in names]
+    return known + sorted(n for n in names if n not in FIGURE_CAPTIONS)
+
+
 def metrics_html(name: str, data: Any) -> str:
     """A key/value table of a metrics file's top-level scalars, and the whole JSON folded below it."""
     rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v, ensure_ascii=False))}</td></tr>"
@@ -199,10 +224,11 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
                          f'<p class="src">reports/tables/{esc(name)}.md</p></section>')
     if figures:
         parts.append('<h2 id="figures">Figures</h2>')
-        for name in figures:
+        for name in figure_order(figures):
             alt = esc(name.replace("_", " "))
+            caption = f"{esc(FIGURE_CAPTIONS[name])} " if name in FIGURE_CAPTIONS else ""
             parts.append(f'<figure><img src="figures/{quote(name)}.png" alt="{alt}">'
-                         f"<figcaption>{esc(name)}.png</figcaption></figure>")
+                         f'<figcaption>{caption}<span class="src">{esc(name)}.png</span></figcaption></figure>')
     if metrics:
         parts.append('<h2 id="metrics">Metrics</h2>')
         parts += [metrics_html(name, metrics[name]) for name in sorted(metrics)]
