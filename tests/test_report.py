@@ -388,6 +388,10 @@ def test_the_page_opens_with_the_findings_of_the_evaluation(tree: Path):
     assert lines[0].startswith("TRACE did not run") and all(f"<li>{html.escape(line)}</li>" in page for line in lines)
     assert page.index('id="findings"') < page.index('id="notebooks"')
     assert 'href="#findings"' in page and "arXiv 2604.05336" in page
+    # what ran, the paper's Table 1 labelled as the paper's, and what to run next, each with its command
+    assert "<li>Profile cpu: model smollm2-135m on the retail environment" in page
+    assert "The paper&#x27;s setting: Qwen3-30B-A3B" in page and "<td>47.0</td>" in page
+    assert "<code>make phone</code>" in page
 
 
 def test_the_llm_cost_table_lists_every_call_of_the_run(tmp_path: Path):

@@ -167,6 +167,38 @@ def table_order(names: list[str]) -> list[str]:
     return known + sorted(n for n in names if n not in TABLE_ORDER)
 
 
+PAPER_TABLE1 = (
+    "| method | airline | retail | overall |\n| --- | --- | --- | --- |\n| base | 24.0 | 36.8 | 32.9 |\n"
+    "| GRPO on target | 32.0 | 40.4 | 37.8 |\n| GEPA | 38.0 | 40.4 | 39.6 |\n"
+    "| single-capability GRPO | 34.0 | 43.0 | 40.3 |\n| TRACE | 44.0 | 48.2 | 47.0 |\n")
+"""The paper's Table 1 as its authors' code evaluates it (success %)."""
+PAPER_SETTING = ("The paper's setting: Qwen3-30B-A3B on τ²-bench airline and retail, all 164 tasks, one trial at "
+                 "temperature 0, an LLM analyst (Kang et al., arXiv 2604.05336; the authors' repository).")
+NEXT_STEPS = (
+    ("Run the pipeline on the phone environment and see both in Table 1 across environments", "make phone"),
+    ("Let Claude label and propose capabilities (needs ANTHROPIC_API_KEY)",
+     "source .venv/bin/activate && dvc exp run -S analyst.backend=anthropic"),
+    ("The GPU-sized run (10 iterations of 8 x 8 rollouts per adapter, every method)",
+     "source .venv/bin/activate && dvc exp run -S profile=gpu"),
+    ("Read every notebook beside its source", "make lab"),
+)
+"""What a reader can run next, each with its command (docs/scale.md has the rest)."""
+
+
+def run_summary(resolved: dict[str, Any] | None, metrics: dict[str, Any]) -> list[str]:
+    """What ran, in sentences computed from the resolved params and the evaluation's metrics."""
+    if not resolved:
+        return []
+    env, ev = resolved.get("env", {}), metrics.get("evaluate", {})
+    out = [f"Profile {resolved.get('profile')}: model {resolved.get('model', {}).get('id')} on the "
+           f"{env.get('name')} environment ({', '.join(env.get('families') or []) or 'its default families'})."]
+    if ev:
+        out.append(f"Evaluated on the {ev.get('split')} split: {ev.get('tasks')} tasks, greedy; TRACE's rollout "
+                   f"budget {ev.get('trace_budget')} (discovery and calibration included), the baselines trained "
+                   "to the same total.")
+    return out
+
+
 def figure_order(names: list[str]) -> list[str]:
     """Figures in pipeline order (`FIGURE_CAPTIONS`), any other after them by name."""
     known = [n for n in FIGURE_CAPTIONS if n in names]
@@ -195,7 +227,7 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
     nb_items += (f'<li><a href="notebooks/{quote(self_name)}.ipynb">{esc(self_name)}</a> — this page\'s '
                  "notebook (still running while the page is built, so linked as .ipynb, not exported)</li>")
     found = findings(metrics["evaluate"]) if "evaluate" in metrics else []
-    nav = [("findings", found), ("capabilities", capabilities), ("notebooks", True), ("tables", tables),
+    nav = [("findings", found), ("run", not found and resolved), ("capabilities", capabilities), ("notebooks", True), ("tables", tables),
            ("figures", figures), ("metrics", metrics), ("params", True)]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -208,10 +240,16 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
         "<p>The method: TRACE, capability-targeted agentic training (Kang et al., arXiv 2604.05336).</p>",
         "<p>" + " · ".join(f'<a href="#{key}">{key}</a>' for key, shown in nav if shown) + "</p>",
     ]
-    if found:
-        parts += ['<h2 id="findings">Findings</h2>',
-                  "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in found) + "</ul>",
-                  '<p class="src">computed from reports/metrics/evaluate.json</p>']
+    ran = run_summary(resolved, metrics)
+    if found or ran:
+        parts += ['<h2 id="findings">Findings</h2>' if found else '<h2 id="run">This run</h2>',
+                  "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in ran + found) + "</ul>",
+                  '<p class="src">computed from params.yaml and reports/metrics/evaluate.json</p>',
+                  "<details><summary>The paper's Table 1, for its setting (not this run's)</summary>"
+                  f"{markdown_html(PAPER_TABLE1)}<p class=\"src\">{esc(PAPER_SETTING)}</p></details>"
+                  if found else "",
+                  "<h3>Next</h3><ul>" + "".join(f"<li>{esc(what)}: <code>{esc(cmd)}</code></li>"
+                                                for what, cmd in NEXT_STEPS) + "</ul>"]
     if capabilities:
         parts += ['<h2 id="capabilities">Capabilities: from the failures to the tasks changed</h2>', capabilities,
                   '<p><a href="trajectories.html">Every episode of the run</a> (rollouts and evaluation, filterable)'
