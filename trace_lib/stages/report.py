@@ -185,7 +185,7 @@ NEXT_STEPS = (
 """What a reader can run next, each with its command (docs/scale.md has the rest)."""
 
 
-def run_summary(resolved: dict[str, Any] | None, metrics: dict[str, Any]) -> list[str]:
+def what_ran(resolved: dict[str, Any] | None, metrics: dict[str, Any]) -> list[str]:
     """What ran, in sentences computed from the resolved params and the evaluation's metrics."""
     if not resolved:
         return []
@@ -240,7 +240,7 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
         "<p>The method: TRACE, capability-targeted agentic training (Kang et al., arXiv 2604.05336).</p>",
         "<p>" + " · ".join(f'<a href="#{key}">{key}</a>' for key, shown in nav if shown) + "</p>",
     ]
-    ran = run_summary(resolved, metrics)
+    ran = what_ran(resolved, metrics)
     if found or ran:
         parts += ['<h2 id="findings">Findings</h2>' if found else '<h2 id="run">This run</h2>',
                   "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in ran + found) + "</ul>",
