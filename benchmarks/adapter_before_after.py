@@ -16,16 +16,16 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-from trace_lib.evaluation.inputs import find_adapters
+from trace_lib.budget import find_adapters
 from trace_lib.evaluation.runner import (
     INTERFERENCE_SEED0,
     eval_rollout_config,
     interference_matrix,
 )
-from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
+from trace_lib.sandbox import SandboxProcess, limits_from_config
 from trace_lib.synth.synthesize import valid_envs
 
 

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import load_params
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.evaluation.runner import eval_rollout_config, evaluate_policy

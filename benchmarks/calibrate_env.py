@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import load_params
-from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
 from trace_lib.training.calibrate import ladder, measure

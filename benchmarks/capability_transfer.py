@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from trace_lib.agent.model import resolve_model
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.model import resolve_model
+from trace_lib.engine.policy import load_policy
 from trace_lib.capabilities import CAPABILITIES
 from trace_lib.config import apply_overrides, params_from_dict
 from trace_lib.envs import make_env, make_tasks
@@ -36,9 +36,9 @@ from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config,
 from trace_lib.io import atomic_write_text
 from trace_lib.records import AdapterManifest, Capability
 from trace_lib.training.sources import sandbox_limits, synthetic_source
-from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import synthesize_env
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.trainer import SNAPSHOTS, read_timing, read_train_log, train_adapter_mixture
 
 

@@ -11,7 +11,7 @@ ids per row. Ways, each on the same rows and cache length:
 Reported per way and batch: the first call (compilation included) and the median of the later steps, in ms. Why it
 is here: a decoding step at a few rows is mostly the fixed cost of ~1,000 small operators dispatched one by one
 (benchmarks/README.md, train_lockstep.py), which is what a compiler removes; the measurement says whether inductor
-does so here. The pipeline's engine (`agent/policy.py`) is not compiled.
+does so here. The pipeline's engine (`engine/policy.py`) is not compiled.
 
     python benchmarks/compile_decode.py --model-dir data/model --batches 1,16 --ways eager,compile,freeze
 """

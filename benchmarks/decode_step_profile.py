@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import _cached_tokenizer, build_tiny_model  # noqa: E402
 from test_grammar import CONVS, TOOLS  # noqa: E402
 
-from trace_lib.agent.policy import load_policy  # noqa: E402
+from trace_lib.engine.policy import load_policy  # noqa: E402
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ over repeats:
     per-method  as before: each method's missing episodes decoded as a batch of their own, under its weights
              (`compose.apply_route`), the engine the params choose (`rollout.continuous_batching`)
     together    `runner.decode_into_memo`: every missing (weights, task) pair in one `Policy.play_turns`
-             batch whose rows run under different weights (`agent.row_lora`, one shared prefix per route)
+             batch whose rows run under different weights (`engine.row_lora`, one shared prefix per route)
 
 The adapters are the CPU default's shapes (LoRA r8, alpha 16, the 7 projections) with random weights
 (`--scale`: the standard deviation of B, so that they move the model about as much as trained ones do), saved
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import load_params
 from trace_lib.envs import make_env, make_tasks
 from trace_lib.evaluation.runner import decode_into_memo, eval_rollout_config, evaluate_policy

@@ -3,7 +3,7 @@
 Two ways to keep an agent's plain message to at most `max_text_chars` characters (1,200 by default):
 
     bounded    the grammar's message rule as a bounded repetition, `[^<{ \\t\\r\\n] [^<]{0,1199}`
-               (trace_lib.agent.grammar before 2026-11-27)
+               (trace_lib.engine.grammar before 2026-11-27)
     processor  the rule unbounded, `[^<]*`, and `ToolCallLogitsProcessor` forbidding the tokens that would
                take a message row past the bound (the module now)
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from trace_lib.agent import grammar
-from trace_lib.agent import policy as policy_mod
+from trace_lib.engine import grammar
+from trace_lib.engine import policy as policy_mod
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import load_params
 from trace_lib.envs import make_env, make_tasks

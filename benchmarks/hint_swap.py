@@ -23,15 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import Params, load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.evaluation.runner import INTERFERENCE_SEED0, eval_rollout_config, interference_matrix
 from trace_lib.records import AdapterManifest, SyntheticEnvManifest
 from trace_lib.training.sources import sandbox_limits, synthetic_source
-from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.trainer import SNAPSHOTS, read_timing, read_train_log, train_adapter_mixture
 
 

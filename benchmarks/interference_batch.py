@@ -6,7 +6,7 @@ The matrix plays the base model and every capability adapter on every capability
     by-weight   `runner.interference_matrix(..., together=False)`: one batch per (weights, environment), each
                 holding that environment's few seeds (2 rows in the CPU default)
     together    `together=True` (`evaluate.decode_together`): one batch per environment whose rows run under
-                the base model and every adapter (`runner.decode_into_memo`, `agent.row_lora`)
+                the base model and every adapter (`runner.decode_into_memo`, `engine.row_lora`)
 
 Reads a finished pipeline run under `--root` (its trained adapters in data/adapters/, its synthetic
 environments in data/envs/, the prepared model); writes nothing. Prints each arm's seconds and whether the
@@ -22,8 +22,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from trace_lib.agent.backends import open_policy
+from trace_lib.engine.backends import open_policy
 from trace_lib.config import load_params
+from trace_lib.budget import find_adapters
 from trace_lib.evaluation import inputs
 from trace_lib.evaluation.runner import eval_rollout_config, interference_matrix
 from trace_lib.stages.evaluate import _interference_envs, _open_sandboxes
@@ -38,7 +39,7 @@ def main() -> None:
     root = Path(args.root)
     params = load_params(root / args.params)
     cfg = params.evaluate
-    caps, baselines = inputs.find_adapters(root)
+    caps, baselines = find_adapters(root)
     names = sorted(caps)
     if not names:
         raise SystemExit(f"no capability adapters under {root / 'data/adapters'}: run the pipeline first")

@@ -1,7 +1,7 @@
 """Do SmolLM2's linear layers run faster in bf16 or in fp32 on this CPU, at decoding and prefill shapes?
 
 The CPU default computes in bf16 where it is faster than fp32 and in fp32 elsewhere (`model.dtype: auto`,
-`agent.model.bf16_is_faster`): bf16 measured ~4x faster than fp32 at 256 rows on a Zen 5 EPYC and with AMX, 1.53x
+`engine.model.bf16_is_faster`): bf16 measured ~4x faster than fp32 at 256 rows on a Zen 5 EPYC and with AMX, 1.53x
 slower on an Intel Xeon with AVX-512 bf16 but no AMX, and up to 6.1x slower on an AVX2-only EPYC. Which
 holds depends on the kernels the CPU gets (oneDNN with AMX, AVX-512 bf16, or neither), and a decoding step is nothing but matrix products with few rows. This
 times one model step's linear work, both dtypes side by side in one process, rows alternating:

@@ -41,10 +41,10 @@ import torch
 import trace_lib.training.trainer as trainer_mod
 from trace_lib.config import load_params
 from trace_lib.training.sources import synthetic_source
-from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
+from trace_lib.sandbox import SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from transformers.cache_utils import DynamicCache
 
 from trace_lib.training.shared_prompt import (_expand, _low_precision, before_breaks, decoder_and_head, grouped_logps,

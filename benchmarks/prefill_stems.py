@@ -1,4 +1,4 @@
-"""What shared stems (`agent/policy.py`) save in prefill, on the same prompts with and without them.
+"""What shared stems (`engine/policy.py`) save in prefill, on the same prompts with and without them.
 
 Records every `Policy.generate_ids` call (prompts and session keys) of two real workloads run once
 without stems, then replays the calls prefill-only (one new token each, greedy) with stems and
@@ -21,8 +21,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import trace_lib.agent.policy as policy_mod
-from trace_lib.agent.policy import Policy, load_policy
+import trace_lib.engine.policy as policy_mod
+from trace_lib.engine.policy import Policy, load_policy
 from trace_lib.config import load_params
 
 NO_STEMS = 10**9
@@ -79,7 +79,7 @@ def grpo_calls(params, policy: Policy, capability: str):
     from peft import get_peft_model
 
     from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-    from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
+    from trace_lib.sandbox import SandboxLimits, SandboxProcess
     from trace_lib.synth.synthesize import target_spec
     from trace_lib.synth.templates import render_template_module
     from trace_lib.training.grpo import play, start_episode

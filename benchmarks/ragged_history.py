@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from rollout_batch import engine_mode  # this folder: the script's own path entry
-from trace_lib.agent import kvcache
+from trace_lib.engine import kvcache
 
 CASES = [("one row 4.8k, seven 1k", 4800, [4800] + [1000] * 7), ("all 1k", 1000, [1000] * 8),
          ("all 2.4k", 2400, [2400] * 8), ("all 5k", 5000, [5000] * 8),

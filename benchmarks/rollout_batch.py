@@ -35,8 +35,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from trace_lib.agent import kvcache
-from trace_lib.agent import policy as policy_mod
+from trace_lib.engine import kvcache
+from trace_lib.engine import policy as policy_mod
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import load_params
 from trace_lib.envs import make_env, make_tasks

@@ -6,7 +6,7 @@ the generated text is appended and a scripted user reply follows. Each row repor
 tokens per wall-clock second over all episodes (prefill included) and the speed-up over the
 naive loop. Rows:
 
-    batched      trace_lib.agent.policy (all episodes in one batch per turn, shared-prefix cascade attention,
+    batched      trace_lib.engine.policy (all episodes in one batch per turn, shared-prefix cascade attention,
                  KV buffer, finished rows dropped); `-kv`: each episode's KV kept across its turns
                  (`sessions`, what the rollout stage uses), e.g. `batched-bf16-kv`
     naive        one episode at a time through `model.generate` (DynamicCache)
@@ -21,7 +21,7 @@ naive loop. Rows:
     + variants   bf16; sdpa (prefix KV copied into every row); eager attention; no prefix cache;
                  threads=1; static cache (naive); `unpacked` anywhere in a batched row: bf16 linear layers
                  through `F.linear` (the weight reordered by oneDNN at every call) instead of packed once
-                 (agent/packed.py), e.g. `batched-bf16-kv-unpacked`
+                 (engine/packed.py), e.g. `batched-bf16-kv-unpacked`
 
 Greedy decoding with a fixed token budget per turn (EOS ignored where the engine allows it,
 so all rows decode the same number of tokens). Server rows get token ids rendered and encoded
@@ -44,10 +44,10 @@ from pathlib import Path
 
 import torch
 
-from trace_lib.agent.chat import render_prompt
-from trace_lib.agent.serve import ServerProcess as Server
-from trace_lib.agent.serve import free_port
-from trace_lib.agent.threads import set_threads
+from trace_lib.engine.chat import render_prompt
+from trace_lib.engine.serve import ServerProcess as Server
+from trace_lib.engine.serve import free_port
+from trace_lib.engine.threads import set_threads
 from trace_lib.records import Message
 
 SYSTEM = (
@@ -253,8 +253,8 @@ def run_on_server(server: Server, complete: Complete, tokenizer, episodes: int, 
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from trace_lib.agent.policy import load_policy, resolve_model_path
-    from trace_lib.agent.model import resolve_model, smollm2_gguf_path
+    from trace_lib.engine.policy import load_policy, resolve_model_path
+    from trace_lib.engine.model import resolve_model, smollm2_gguf_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default="data/model", help="prepared SmolLM2 folder (created if missing)")
@@ -283,7 +283,7 @@ def main() -> None:
     startups: dict[str, float] = {}  # server rows: seconds until healthy (not in the timing)
     for row in args.rows.split(","):
         threads = 1 if row.endswith("threads1") else args.threads
-        if threads:  # 0: torch's count, fewer while other processes keep the cores busy (agent/threads.py)
+        if threads:  # 0: torch's count, fewer while other processes keep the cores busy (engine/threads.py)
             set_threads(threads)
         try:
             if row.startswith("batched"):

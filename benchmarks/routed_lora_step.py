@@ -7,7 +7,7 @@ the 7 projections; `evaluate_routes.save_adapters`). Each arm times `model(input
     base            adapters disabled (PEFT's `disable_adapter`)
     peft-single     one adapter active for every row (PEFT's LoRA layers)
     peft-mixed      PEFT's mixed batch (`adapter_names=`: one adapter per row, rows cycling over the 5)
-    routed-mixed    `agent.row_lora.RoutedLora`: rows cycling over the base model, the 5 adapters and a merge (7 routes)
+    routed-mixed    `engine.row_lora.RoutedLora`: rows cycling over the base model, the 5 adapters and a merge (7 routes)
     routed-base     `RoutedLora`, every row on the base model (the layers see no route to add)
 
     python benchmarks/routed_lora_step.py [--params params.yaml] [--rows 1,4,16] [--steps 30] [--threads 2]
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from evaluate_routes import BASELINES, CAPS, save_adapters  # noqa: E402
 
-from trace_lib.agent.kvcache import RowRoutes, row_routes  # noqa: E402
-from trace_lib.agent.policy import load_policy  # noqa: E402
-from trace_lib.agent.row_lora import RoutedLora  # noqa: E402
+from trace_lib.engine.kvcache import RowRoutes, row_routes  # noqa: E402
+from trace_lib.engine.policy import load_policy  # noqa: E402
+from trace_lib.engine.row_lora import RoutedLora  # noqa: E402
 from trace_lib.config import load_params  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The rollout stage's work with torch's thread count governed (`trace_lib.agent.threads`) against fixed.
+"""The rollout stage's work with torch's thread count governed (`trace_lib.engine.threads`) against fixed.
 
 One process, one loaded policy, the same tasks and seed per row; rows alternate over repeats so that a
 machine whose speed drifts favours none. `governed` is what the pipeline runs (`rollout.threads: 0`);
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from trace_lib.agent import threads
-from trace_lib.agent.backends import open_policy
+from trace_lib.engine import threads
+from trace_lib.engine.backends import open_policy
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import load_params
 from trace_lib.envs import make_env, make_tasks

@@ -11,7 +11,7 @@ region first spins while it waits for its partner; when the partner has been des
 are shared with other work), the spinning thread takes the core it needs. `OMP_WAIT_POLICY=PASSIVE`
 makes waiting threads sleep instead; `GOMP_SPINCOUNT=N` (policy `spin:N`) spins N times, then sleeps;
 `default` is libgomp's own (300,000 spins). Threads `auto`: the pipeline's default, torch's count while
-the other processes leave the cores free, fewer while they do not (`trace_lib/agent/threads.py`).
+the other processes leave the cores free, fewer while they do not (`trace_lib/engine/threads.py`).
 
     python benchmarks/threads_under_load.py --hogs 0,1,2 --threads 1,2 --policies default,passive
 """

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import load_params
 from trace_lib.envs import make_env, make_tasks

@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import load_params
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
+from trace_lib.sandbox import SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.lockstep import LockstepJob, LockstepSampler, run_lockstep
 from trace_lib.training.trainer import read_timing, read_train_log, train_adapter_mixture, train_dtype

@@ -18,14 +18,14 @@ weights' dtype:
     ours-turns  `ours` sampled turn by turn (`train.continuous_batching: false`): each turn of the live
                episodes one decoding call, which runs until its longest row stops
     ours-nostem  `ours` with every row prefilling its own prompt (no shared stems: the K episodes of a
-               group compute a tool result they all got K times; `agent/policy.py`)
+               group compute a tool result they all got K times; `engine/policy.py`)
     ours-noprefix  `ours` with the start all of an iteration's rows share (system turn, tool list) computed in
                each of its loss passes instead of once for all of them (`shared_prompt.SharedPrefix`); the same
                with one pass per iteration
     ours-unfolded  `ours` sampled through PEFT's LoRA layers instead of with the adapter folded into the base
                weights (`grpo.AgentRollout.fold_lora`, the default since 2026-12-01)
     ours-unpacked  `ours` with bf16 linear layers through `F.linear` (oneDNN reorders each weight at every call)
-               instead of packed once where no gradient is recorded (`agent/packed.py`, the default since 2026-12-02)
+               instead of packed once where no gradient is recorded (`engine/packed.py`, the default since 2026-12-02)
     ours-shuffled  `ours-noprefix` with TRL's shuffle of the iteration's rows before they are split into loss
                passes (the trainer before 2026-11-29): with several passes per iteration (e.g. G8 x K4 in fp32,
                4 passes of 8) a pass holds rows of several groups instead of whole groups
@@ -65,17 +65,17 @@ import torch
 from datasets import Dataset
 from transformers import set_seed
 
-import trace_lib.agent.packed as packed_mod
-import trace_lib.agent.policy as policy_mod
+import trace_lib.engine.packed as packed_mod
+import trace_lib.engine.policy as policy_mod
 import trace_lib.training.shared_prompt as shared_prompt_mod
 import trace_lib.training.trainer as trainer_mod
-from trace_lib.agent.model import bf16_is_faster, has_bf16_kernels, resolve_model
+from trace_lib.engine.model import bf16_is_faster, has_bf16_kernels, resolve_model
 from trace_lib.config import load_params
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
-from trace_lib.synth.sandbox import SandboxLimits, SandboxProcess
+from trace_lib.sandbox import SandboxLimits, SandboxProcess
 from trace_lib.synth.synthesize import target_spec
 from trace_lib.synth.templates import render_template_module
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import AgentRollout, TrainSource
 from trace_lib.training.shared_prompt import SharedPrefix
 from trace_lib.training.trainer import (
@@ -175,7 +175,7 @@ def run_trl_environment_factory(model_dir: Path, box: SandboxProcess, params, cf
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
-    from trace_lib.agent.policy import load_policy
+    from trace_lib.engine.policy import load_policy
     from trace_lib.envs.synthetic import to_trl_environment_factory, trl_reward, trl_rows
     from trace_lib.training.trainer import lora_config, stable_target_modules
 

@@ -26,13 +26,13 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _auto_dtype_is_fp32_on_every_cpu(request, monkeypatch):
     """`dtype: auto` computes in fp32 on any CPU inside the test process, so a test's numbers and tolerances
-    do not depend on whether this CPU computes bf16 fast (`agent.model.bf16_is_faster`, which asks
+    do not depend on whether this CPU computes bf16 fast (`engine.model.bf16_is_faster`, which asks
     `has_bf16_kernels` first); tests marked
     `cpu_bf16_kernels` see the real answer. Stages run by dvc or papermill (the e2e tests) are other
     processes and take the machine's own answer, as `make repro` does."""
     if request.node.get_closest_marker("cpu_bf16_kernels"):
         return
-    from trace_lib.agent import model
+    from trace_lib.engine import model
 
     real = model.has_bf16_kernels
     monkeypatch.setattr(model, "has_bf16_kernels", lambda device: False if device.type == "cpu" else real(device))
@@ -42,8 +42,8 @@ def _cached_tokenizer(cache_root: Path):
     """The SmolLM2 tokenizer with the trace chat template, parsed from the GGUF only on a cold cache."""
     from transformers import AutoTokenizer
 
-    from trace_lib.agent.chat import tool_chat_template
-    from trace_lib.agent.model import load_gguf_tokenizer, smollm2_gguf_path
+    from trace_lib.engine.chat import tool_chat_template
+    from trace_lib.engine.model import load_gguf_tokenizer, smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     folder = cache_root / f"tok-{gguf.stat().st_size}"
@@ -100,6 +100,6 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct converted from the packaged GGUF (use in `slow` tests only)."""
-    from trace_lib.agent.model import resolve_model
+    from trace_lib.engine.model import resolve_model
 
     return resolve_model("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "model", "float32")

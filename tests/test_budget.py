@@ -2,7 +2,7 @@
 
 import pytest
 
-from trace_lib.training.budget import RolloutLedger, total_rollouts
+from trace_lib.budget import RolloutLedger, total_rollouts
 
 
 def test_add_used_remaining(tmp_path):

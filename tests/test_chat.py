@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trace_lib.agent.chat import (
+from trace_lib.engine.chat import (
     MAX_OUTPUT_CHARS,
     check_schema,
     message_to_dict,

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.records import Message, RouteDecision
-from trace_lib.agent.adapters import adapter_digest, cat_adapter, write_cat_adapter
-from trace_lib.routing.compose import (
+from trace_lib.engine.adapters import adapter_digest, cat_adapter, write_cat_adapter
+from trace_lib.engine.compose import (
     apply_route,
     is_merged,
     merge_label,
@@ -261,8 +261,8 @@ def test_cat_adapter_refuses_what_does_not_concatenate(adapter_dirs, tmp_path):
 def test_routed_lora_gives_each_row_its_route(policy, ids):
     """One batch whose rows run under the base model, adapter a, adapter b and a weighted merge: each row's
     logits are those of its weights alone (PEFT's adapter path, or the merge in the base weights)."""
-    from trace_lib.agent.kvcache import RowRoutes, row_routes
-    from trace_lib.agent.row_lora import RoutedLora
+    from trace_lib.engine.kvcache import RowRoutes, row_routes
+    from trace_lib.engine.row_lora import RoutedLora
 
     routes = [{}, {"a": 1.0}, {"b": 1.0}, {"a": 0.4, "b": -1.5}]
     rows = ids[[0, 1, 1, 0, 0, 1]]
@@ -289,8 +289,8 @@ def test_routed_lora_gives_each_row_its_route(policy, ids):
 def test_routed_lora_in_bf16_is_peft_per_row(tiny_model_dir, adapter_dirs, ids, positions):
     """In a bf16 model each routed row's logits are, within bf16 rounding, those PEFT gives that row alone
     (the delta in float32, added and rounded once)."""
-    from trace_lib.agent.kvcache import RowRoutes, row_routes
-    from trace_lib.agent.row_lora import RoutedLora
+    from trace_lib.engine.kvcache import RowRoutes, row_routes
+    from trace_lib.engine.row_lora import RoutedLora
 
     pol = load_policy(tiny_model_dir, dtype="bfloat16", adapters={k: str(v) for k, v in adapter_dirs.items()},
                       device=str(ids.device))
@@ -309,8 +309,8 @@ def test_routed_lora_in_bf16_is_peft_per_row(tiny_model_dir, adapter_dirs, ids, 
 
 
 def test_routed_lora_refuses_what_it_cannot_route(policy, ids):
-    from trace_lib.agent.kvcache import RowRoutes, row_routes
-    from trace_lib.agent.row_lora import RoutedLora
+    from trace_lib.engine.kvcache import RowRoutes, row_routes
+    from trace_lib.engine.row_lora import RoutedLora
 
     with pytest.raises(ValueError, match=r"unknown adapter\(s\) \['zzz'\]"):
         RoutedLora(policy.model, [{}, {"zzz": 1.0}])

@@ -22,7 +22,7 @@ from trace_lib.analyst.discover import (
     propose_rules,
     slug,
 )
-from trace_lib.analyst.llm import LLMClient, ledger_totals
+from trace_lib.llm import LLMClient, ledger_totals
 from trace_lib.analyst.render import cut, render_for_analyst, tools_block
 from trace_lib.config import DiscoverConfig, params_from_dict
 from trace_lib.io import read_jsonl, write_jsonl

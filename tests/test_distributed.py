@@ -82,7 +82,7 @@ RUN = textwrap.dedent("""
     from test_train import ParityEnv, kv_tasks
     from trace_lib.config import TrainConfig
     from trace_lib.training import distributed, trainer as trainer_mod
-    from trace_lib.training.budget import RolloutLedger
+    from trace_lib.budget import RolloutLedger
     from trace_lib.training.grpo import TrainSource
 
     out = Path({out!r})
@@ -104,7 +104,7 @@ RUN = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_two_gloo_processes_train_one_adapter_with_the_same_weights_on_both(tiny_model_dir, tmp_path):
-    from trace_lib.agent.serve import free_port
+    from trace_lib.engine.serve import free_port
 
     script = tmp_path / "run.py"
     script.write_text(RUN.format(tests=str(TESTS), out=str(tmp_path), model=str(tiny_model_dir)))

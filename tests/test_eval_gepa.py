@@ -10,8 +10,8 @@ import pytest
 from test_llm import KEY, FakeMessagesAPI, _message
 from toy import KVEnv, kv_task
 
-from trace_lib.agent.policy import load_policy
-from trace_lib.analyst.llm import LLMClient
+from trace_lib.engine.policy import load_policy
+from trace_lib.llm import LLMClient
 from trace_lib.config import Params, RolloutConfig
 from trace_lib.evaluation.gepa import (
     REFLECTION_SYSTEM,
@@ -21,7 +21,7 @@ from trace_lib.evaluation.gepa import (
     llm_reflection,
     optimize_system_prompt,
 )
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
 SEED_PROMPT = "You look up values."

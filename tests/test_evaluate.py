@@ -9,10 +9,10 @@ import pytest
 import torch
 from toy import KVEnv, kv_task
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import Params, RolloutConfig
 from trace_lib.evaluation.gepa import RULES_REASON, gepa_status
-from trace_lib.evaluation.inputs import adapter_budget, find_adapters, trace_budget
+from trace_lib.budget import adapter_budget, find_adapters, trace_budget
 from trace_lib.evaluation.runner import (
     EvaluateConfig,
     decode_into_memo,
@@ -48,10 +48,10 @@ from trace_lib.records import (
     Trajectory,
     UserScenario,
 )
-from trace_lib.routing.compose import merge_label
+from trace_lib.engine.compose import merge_label
 from trace_lib.routing.route import RouteCandidate
 from trace_lib.routing.routers import calibrate, label_prior, lacking_labels
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
 

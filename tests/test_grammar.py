@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trace_lib.agent.chat import parse_assistant, render_call
-from trace_lib.agent.grammar import call_schema, compile_tool_grammar, make_tool_call_processor
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.chat import parse_assistant, render_call
+from trace_lib.engine.grammar import call_schema, compile_tool_grammar, make_tool_call_processor
+from trace_lib.engine.policy import load_policy
 from trace_lib.records import Message, ToolCall
 
 TOOLS = [
@@ -162,7 +162,7 @@ def _bounded_mask(tokenizer, tools: list, prefix: str, max_text_chars: int) -> t
     bounded a message before the processor kept the bound); with `tools`, the union with the tool call."""
     import xgrammar as xgr
 
-    from trace_lib.agent import grammar
+    from trace_lib.engine import grammar
 
     text = xgr.Grammar.from_ebnf(f'root ::= [^<{{ \\t\\r\\n] [^<]{{0,{max_text_chars - 1}}}')
     # the tool call part exactly as the module builds it (a required call has no message rule)
@@ -199,7 +199,7 @@ def test_message_bound_masks_the_tokens_a_bounded_grammar_masked(smollm2_tokeniz
 def test_message_bound_ignores_a_tool_call_and_narrow_logits(smollm2_tokenizer):
     """A row that opened a tool call is not a message; logits narrower than the vocabulary are masked on
     the columns they have; the vocabulary's character table is built once per tokenizer."""
-    from trace_lib.agent.grammar import token_chars
+    from trace_lib.engine.grammar import token_chars
 
     tok = smollm2_tokenizer
     assert token_chars(tok, len(tok)) is token_chars(tok, len(tok))

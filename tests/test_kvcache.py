@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from trace_lib.agent.kvcache import (
+from trace_lib.engine.kvcache import (
     MATMUL_MAX_QUERIES,
     SPLIT_OVERHEAD_KEYS,
     BufferedLayer,
@@ -207,7 +207,7 @@ def test_whole_buffers_without_a_mask_see_only_the_filled_part():
 
 
 def test_matmul_attention_without_keys_sees_nothing_and_fp16_sums_stay_finite():
-    from trace_lib.agent.kvcache import _matmul_attention
+    from trace_lib.engine.kvcache import _matmul_attention
 
     q = torch.randn(2, 4, 1, 8)
     out, lse = _matmul_attention(q, torch.zeros(2, 2, 0, 8), torch.zeros(2, 2, 0, 8))
@@ -247,7 +247,7 @@ def _rows_of(cache, mask, offset):
 
 
 def test_select_rows_drops_columns_no_kept_row_uses_and_append_rows_right_aligns_both_parts():
-    from trace_lib.agent.kvcache import append_rows, select_rows
+    from trace_lib.engine.kvcache import append_rows, select_rows
 
     cache, mask = _buffered_cache([[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]], offset=3)
     mask = select_rows(cache, mask, torch.tensor([2, 1]), prefix_len=3)
@@ -275,7 +275,7 @@ def test_select_rows_drops_columns_no_kept_row_uses_and_append_rows_right_aligns
 def test_routed_prefix_attention_gives_each_row_its_routes_prefix(lq, routes):
     """Rows under different routes, one shared prefix per route: each row's prefix part is that of its own
     route's prefix alone (routes in any order, some absent, uneven counts)."""
-    from trace_lib.agent.kvcache import RowRoutes, _prefix_attention, _routed_prefix_attention
+    from trace_lib.engine.kvcache import RowRoutes, _prefix_attention, _routed_prefix_attention
 
     torch.manual_seed(0)
     b, h, hkv, d, p = len(routes), 6, 2, 8, 40

@@ -68,9 +68,9 @@ def test_every_param_a_stage_names_is_in_params_yaml():
 
 
 def test_closure_follows_function_level_imports_and_module_strings():
-    found = imports_in_source("def f():\n    from trace_lib.agent import policy\n"
-                              "cmd = ['-m', 'trace_lib.synth.worker']\n", "")
-    assert {"trace_lib", "trace_lib.agent", "trace_lib.agent.policy", "trace_lib.synth.worker"} <= found
+    found = imports_in_source("def f():\n    from trace_lib.engine import policy\n"
+                              "cmd = ['-m', 'trace_lib.sandbox.worker']\n", "")
+    assert {"trace_lib", "trace_lib.engine", "trace_lib.engine.policy", "trace_lib.sandbox.worker"} <= found
     assert "trace_lib.config" in closure({"trace_lib.stages.rollout"})  # imported by what it imports
     assert imports_in_source('"""Written by trace_lib.stages.train."""\nx = "see trace_lib.io"\n', "") == set()
 
@@ -78,8 +78,8 @@ def test_closure_follows_function_level_imports_and_module_strings():
 def test_a_missing_dep_is_reported(tmp_path: Path):
     files = stage_files(REPO / notebook("rollout"))
     prompt = LIB / "envs" / "retail_policy.md"
-    assert prompt in files and (LIB / "config.py") in files and (LIB / "agent" / "kvcache.py") in files
-    assert not _covered(prompt, ["trace_lib/agent", "trace_lib/config.py"])
+    assert prompt in files and (LIB / "config.py") in files and (LIB / "engine" / "kvcache.py") in files
+    assert not _covered(prompt, ["trace_lib/engine", "trace_lib/config.py"])
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -103,6 +103,40 @@ def test_stages_import_no_stage_and_packages_import_no_stage():
             assert not bad, f"stage module {name} imports another stage: {bad}"
         else:
             assert not bad, f"{name} (a package) imports a stage: {bad}"
+
+
+FLOORS = {
+    "trace_lib.engine": ("trace_lib.config", "trace_lib.io", "trace_lib.records", "trace_lib.text"),
+    "trace_lib.llm": ("trace_lib.config", "trace_lib.io", "trace_lib.records", "trace_lib.text", "trace_lib.engine"),
+    "trace_lib.budget": ("trace_lib.io", "trace_lib.paths", "trace_lib.records"),
+}
+"""Lower floors and what each may import of the library (besides the `trace_lib` package itself and its own
+modules): the engine knows nothing of the method, the LLM client and the budget sit below every stage."""
+FORBIDDEN_BELOW = {"trace_lib.envs": ("trace_lib.synth", "trace_lib.analyst"),
+                   "trace_lib.sandbox": ("trace_lib.synth.synthesize", "trace_lib.synth.templates",
+                                         "trace_lib.synth.validate", "trace_lib.analyst")}
+"""Packages that must not import upward: the environments run below synthesis and the analyst; the sandbox below
+the synthesizers (its worker speaks the module contract, whose rubric verdicts and tool errors live in
+`synth.rubric` and `synth.world`)."""
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_lower_floors_import_nothing_above_them():
+    """Checked on imports written in code (module strings such as the worker's `-m` name are not imports)."""
+    found = []
+    for name in all_modules():
+        for floor, allowed in FLOORS.items():
+            if _inside(name, floor):
+                found += [f"{name} imports {m}" for m in sorted(direct_imports(name, strings=False))
+                          if m != "trace_lib" and not _inside(m, floor) and not any(_inside(m, a) for a in allowed)]
+        for package, banned in FORBIDDEN_BELOW.items():
+            if _inside(name, package):
+                found += [f"{name} imports {m}" for m in sorted(direct_imports(name, strings=False))
+                          if any(m.startswith(b) for b in banned)]
+    assert not found, "imports across the floor order:\n" + "\n".join(found)
 
 
 def test_one_run_function_per_stage_with_the_same_signature():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from local_http import LocalHTTP
 
-from trace_lib.analyst.llm import (
+from trace_lib.llm import (
     LLMClient,
     LLMError,
     estimate_cost,

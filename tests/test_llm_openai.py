@@ -9,7 +9,7 @@ import pytest
 from local_http import JSONReplies
 from test_llm import FakeMessagesAPI
 
-from trace_lib.analyst.llm import LLMClient, LLMError, analyst_client, ledger_totals, request_key
+from trace_lib.llm import LLMClient, LLMError, analyst_client, ledger_totals, request_key
 from trace_lib.config import AnalystConfig
 
 KEY = "sk-openai-test-secret-0123456789"

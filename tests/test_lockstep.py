@@ -10,9 +10,9 @@ import pytest
 import torch
 from toy import KVEnv, kv_task
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import TrainConfig
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource, play, start_episode
 import trace_lib.training.lockstep as lockstep
 from trace_lib.training.lockstep import LockstepAborted, LockstepJob, LockstepSampler, resume_points, run_lockstep

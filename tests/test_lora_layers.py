@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 from test_compose import ALL, explicit_model, logits, save_lora
 from test_train import FAST, ParityEnv, kv_tasks
 
-from trace_lib.agent.adapters import cat_adapter, write_cat_adapter
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.adapters import cat_adapter, write_cat_adapter
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import TrainConfig
-from trace_lib.routing.compose import merged_adapters, use_adapter
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.engine.compose import merged_adapters, use_adapter
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.trainer import lora_config, train_adapter_mixture
 
@@ -139,8 +139,8 @@ def test_a_top_layer_adapter_beside_a_whole_model_one_is_peft_alone_and_merges_e
 
 
 def test_routed_rows_under_a_top_layer_adapter_are_each_their_own_route(mixed, mixed_ids):
-    from trace_lib.agent.kvcache import RowRoutes, row_routes
-    from trace_lib.agent.row_lora import RoutedLora
+    from trace_lib.engine.kvcache import RowRoutes, row_routes
+    from trace_lib.engine.row_lora import RoutedLora
 
     routes = [{}, {"top": 1.0}, {"wide": 1.0}, {"wide": 0.4, "top": -1.5}]
     rows = mixed_ids[[0, 1, 1, 0, 0]]

@@ -1,4 +1,4 @@
-"""bf16 linear layers with oneDNN-packed weights (agent/packed.py): the same outputs as `F.linear`, the plain
+"""bf16 linear layers with oneDNN-packed weights (engine/packed.py): the same outputs as `F.linear`, the plain
 path wherever a gradient is recorded, and packed copies rebuilt when weights change."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trace_lib.agent import packed
-from trace_lib.agent.packed import PackedForward, install_packed_linears, packed_layers, packing_available
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine import packed
+from trace_lib.engine.packed import PackedForward, install_packed_linears, packed_layers, packing_available
+from trace_lib.engine.policy import load_policy
 from trace_lib.records import Message
-from trace_lib.routing.compose import merged_adapters
+from trace_lib.engine.compose import merged_adapters
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build or CPU has no oneDNN bf16 "
-                                   "packed linear ops (agent/packed.py falls back to F.linear there)")
+                                   "packed linear ops (engine/packed.py falls back to F.linear there)")
 
 
 def bf16_linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> nn.Linear:

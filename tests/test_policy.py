@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from trace_lib.agent.kvcache import append_rows, shared_prefix
-from trace_lib.agent.chat import parse_assistant
-from trace_lib.agent.policy import Generation, exponential_draw, load_policy, sample_tokens
+from trace_lib.engine.kvcache import append_rows, shared_prefix
+from trace_lib.engine.chat import parse_assistant
+from trace_lib.engine.policy import Generation, exponential_draw, load_policy, sample_tokens
 from trace_lib.records import Message
 
 TOOLS = [{"type": "function", "function": {
@@ -202,7 +202,7 @@ def test_bad_arguments_raise_clearly(policy, tmp_path):
 
 @pytest.mark.parametrize("faster, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_dtype_computes_in_bf16_only_where_bf16_is_faster(tiny_model_dir, monkeypatch, faster, expected):
-    import trace_lib.agent.model as model_mod
+    import trace_lib.engine.model as model_mod
     from trace_lib.config import TrainConfig
     from trace_lib.training.trainer import train_dtype
 
@@ -217,12 +217,12 @@ def test_auto_dtype_computes_in_bf16_only_where_bf16_is_faster(tiny_model_dir, m
 
 @pytest.mark.cpu_bf16_kernels
 def test_bf16_kernels_are_reported_for_the_cpu_and_recorded_in_numerics(monkeypatch):
-    from trace_lib.agent.model import has_bf16_kernels, numerics
+    from trace_lib.engine.model import has_bf16_kernels, numerics
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert has_bf16_kernels(torch.device("cpu")) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert numerics()["cpu_bf16_kernels"] == has_bf16_kernels(torch.device("cpu"))
-    from trace_lib.agent.model import bf16_is_faster
+    from trace_lib.engine.model import bf16_is_faster
 
     assert numerics()["cpu_bf16_faster"] == bf16_is_faster(torch.device("cpu"))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # pinned below AVX-512: computed as an AVX2 CPU computes
@@ -244,7 +244,7 @@ def test_bf16_kernels_are_reported_for_the_cpu_and_recorded_in_numerics(monkeypa
 ])
 def test_bf16_is_faster_on_a_cpu_only_with_amx_on_intel_or_avx512_bf16_on_amd(monkeypatch, vendor, amx, isa, kernels,
                                                                               expected):
-    import trace_lib.agent.model as model_mod
+    import trace_lib.engine.model as model_mod
 
     monkeypatch.setattr(model_mod, "has_bf16_kernels", lambda device: kernels)
     monkeypatch.setattr(model_mod, "_cpu_vendor", lambda: vendor)
@@ -261,7 +261,7 @@ def test_bf16_is_faster_on_a_cpu_only_with_amx_on_intel_or_avx512_bf16_on_amd(mo
 
 
 def test_the_cpu_vendor_is_read_from_linux(tmp_path):
-    from trace_lib.agent.model import _cpu_vendor
+    from trace_lib.engine.model import _cpu_vendor
 
     cpuinfo = tmp_path / "cpuinfo"
     for text, expected in [("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t: fpu\n", "GenuineIntel"),
@@ -347,7 +347,7 @@ def test_a_session_is_reused_only_as_far_as_the_prompt_repeats_it(policy):
 
 
 def test_shared_stems_groups_rows_that_repeat_one_another_beyond_their_cache():
-    from trace_lib.agent.policy import shared_stems
+    from trace_lib.engine.policy import shared_stems
 
     common = list(range(100, 160))  # 60 tokens every row of the pair has to compute
     prompts = [common + [1, 2], [7] * 40, common + [3], common[:30] + [9] * 20]
@@ -367,7 +367,7 @@ def test_shared_stems_groups_rows_that_repeat_one_another_beyond_their_cache():
 
 @pytest.mark.parametrize("impl", ["cascade", "sdpa"])
 def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, monkeypatch):
-    import trace_lib.agent.policy as policy_mod
+    import trace_lib.engine.policy as policy_mod
 
     pol = load_policy(tiny_model_dir, attn_implementation=impl)
     pol.stop_ids = [-1]
@@ -398,7 +398,7 @@ def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, mo
 
 
 def test_prefill_passes_give_a_long_row_a_pass_of_its_own():
-    from trace_lib.agent.policy import PASS_OVERHEAD_TOKENS, prefill_cost, prefill_passes
+    from trace_lib.engine.policy import PASS_OVERHEAD_TOKENS, prefill_cost, prefill_passes
 
     assert prefill_cost([], [], 100) == 0.0
     assert prefill_cost([10, 4], [0, 50], 0) == pytest.approx(PASS_OVERHEAD_TOKENS + 2 * 10 * (1 + 60 / 750))
@@ -415,7 +415,7 @@ def test_prefill_passes_give_a_long_row_a_pass_of_its_own():
 
 
 def test_rows_prefilled_in_separate_passes_decode_like_one_padded_pass(tiny_model_dir, monkeypatch):
-    import trace_lib.agent.policy as policy_mod
+    import trace_lib.engine.policy as policy_mod
 
     pol = load_policy(tiny_model_dir, dtype="float32")
     pol.stop_ids = [-1]
@@ -454,7 +454,7 @@ def test_rows_prefilled_in_separate_passes_decode_like_one_padded_pass(tiny_mode
 
 
 def test_the_engine_runs_where_the_weights_are(tiny_model_dir):
-    from trace_lib.agent.policy import resolve_device
+    from trace_lib.engine.policy import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -516,7 +516,7 @@ def _turn_by_turn(pol, n_rows, turns_of, keys, max_new_tokens):
 @pytest.mark.parametrize(("impl", "join_share"), [("cascade", 0.0), ("cascade", 0.25), ("cascade", 10**9),
                                                   ("sdpa", 0.0)])
 def test_play_turns_decodes_each_turn_as_turn_by_turn_calls_do(tiny_model_dir, impl, join_share, monkeypatch):
-    import trace_lib.agent.policy as policy_mod
+    import trace_lib.engine.policy as policy_mod
 
     monkeypatch.setattr(policy_mod, "JOIN_SHARE", join_share)
     pol = load_policy(tiny_model_dir, attn_implementation=impl)
@@ -553,7 +553,7 @@ def test_play_turns_decodes_each_turn_as_turn_by_turn_calls_do(tiny_model_dir, i
 
 
 def test_play_turns_samples_deterministically_and_keeps_the_grammar_on_joining_rows(tiny_model_dir):
-    from trace_lib.agent.grammar import make_tool_call_processor
+    from trace_lib.engine.grammar import make_tool_call_processor
 
     pol = load_policy(tiny_model_dir)
     keys = [("ep", i) for i in range(4)]
@@ -604,7 +604,7 @@ def test_play_turns_refuses_a_model_without_a_buffered_cache(tiny_model_dir, mon
 def test_play_turns_starts_a_new_episode_in_a_slot_and_defers_one_with_another_prefix(tiny_model_dir):
     """Row 0's slot takes a second episode (new session key) whose system turn differs from the batch's
     shared prefix: it waits for the batch to empty and decodes in a batch of its own, as a fresh call would."""
-    from trace_lib.agent.policy import NextTurn
+    from trace_lib.engine.policy import NextTurn
 
     pol = load_policy(tiny_model_dir)
     pol.stop_ids = [t for t in range(pol._vocab_size()) if t % 3 == 0]
@@ -638,7 +638,7 @@ def test_play_turns_starts_a_new_episode_in_a_slot_and_defers_one_with_another_p
     assert record == ref
     assert extra == alone
     # constrained: the deferred episode's turn is held to its grammar in the new batch, as alone
-    from trace_lib.agent.grammar import make_tool_call_processor
+    from trace_lib.engine.grammar import make_tool_call_processor
 
     def grammar(rows):
         return make_tool_call_processor(pol.tokenizer, TOOLS, rows, vocab_size=pol._vocab_size(),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trace_lib.agent.model import (
+from trace_lib.engine.model import (
     resolve_model,
     sha256_file,
     smollm2_gguf_path,
@@ -34,7 +34,7 @@ def test_local_folder_gets_a_pointer(tiny_model_dir, tmp_path):
 
 
 def test_pointer_loads_as_a_policy(tiny_model_dir, tmp_path):
-    from trace_lib.agent.policy import load_policy
+    from trace_lib.engine.policy import load_policy
 
     out = resolve_model(str(tiny_model_dir), tmp_path / "model", "float32")
     assert load_policy(out).policy_id == tiny_model_dir.name
@@ -48,8 +48,8 @@ def test_prepare_model_reads_params(tiny_model_dir, tmp_path):
 
 
 def test_the_tool_format_is_recorded_and_every_policy_loaded_from_the_folder_renders_with_it(tiny_model_dir, tmp_path):
-    from trace_lib.agent.chat import tool_chat_template
-    from trace_lib.agent.policy import load_policy, prepared_tool_format
+    from trace_lib.engine.chat import tool_chat_template
+    from trace_lib.engine.policy import load_policy, prepared_tool_format
     from trace_lib.records import Message
 
     params = params_from_dict({"model": {"id": str(tiny_model_dir), "out_dir": "m", "dtype": "float32",
@@ -85,8 +85,8 @@ def test_bad_inputs_fail_clearly(tmp_path):
 
 @pytest.mark.slow
 def test_gguf_round_trip_is_reproducible(smollm2_dir, tmp_path):
-    from trace_lib.agent.chat import tool_chat_template
-    from trace_lib.agent.policy import load_policy
+    from trace_lib.engine.chat import tool_chat_template
+    from trace_lib.engine.policy import load_policy
     from trace_lib.records import Message
 
     info = json.loads((smollm2_dir / "model.json").read_text())

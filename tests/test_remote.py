@@ -1,4 +1,4 @@
-"""The openai policy backend (agent/remote.py) against a local server speaking the chat-completions API,
+"""The openai policy backend (engine/remote.py) against a local server speaking the chat-completions API,
 through the real OpenAI SDK: request shape, replies back to trace records, retries, concurrency, the
 rollout stage on a server, and the stages that refuse it."""
 
@@ -16,8 +16,8 @@ import pytest
 from local_http import LocalHTTP
 from toy import KVEnv, kv_task
 
-from trace_lib.agent.chat import normalize_tools, parse_assistant, row_seed
-from trace_lib.agent.remote import OpenAIPolicy, ServerError, api_message, reply_text, route_probabilities
+from trace_lib.engine.chat import normalize_tools, parse_assistant, row_seed
+from trace_lib.engine.remote import OpenAIPolicy, ServerError, api_message, reply_text, route_probabilities
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import ConfigError, RolloutConfig, params_from_dict
 from trace_lib.io import read_json, read_jsonl
@@ -320,7 +320,7 @@ def test_route_probabilities_bound_an_unseen_label_by_the_least_alternative_and_
 
 
 def lora_folder(folder: Path, seed: int, r: int) -> Path:
-    """A saved LoRA adapter (one module) written directly: what `agent.adapters.cat_adapter` reads."""
+    """A saved LoRA adapter (one module) written directly: what `engine.adapters.cat_adapter` reads."""
     import torch
     from safetensors.torch import save_file
 
@@ -337,7 +337,7 @@ def lora_folder(folder: Path, seed: int, r: int) -> Path:
 
 def test_routes_are_served_by_name_and_a_merge_as_one_concatenated_adapter_loaded_once(tmp_path):
     from trace_lib.evaluation.runner import evaluate_policy
-    from trace_lib.routing.compose import apply_route
+    from trace_lib.engine.compose import apply_route
 
     folders = {n: lora_folder(tmp_path / n, i, r) for i, (n, r) in enumerate((("a", 4), ("b", 2)))}
     tasks = [kv_task(i) for i in (1, 2, 3, 4)]
@@ -392,7 +392,7 @@ def test_the_rollout_stage_runs_on_a_server_without_a_local_model(tmp_path, monk
 
 
 def test_the_vllm_command_serves_trace_chat_format_and_named_adapters():
-    from trace_lib.agent.serve import chat_template_path, vllm_command
+    from trace_lib.engine.serve import chat_template_path, vllm_command
 
     cmd = vllm_command("/venv/bin/python", "data/model", 8000, served_name="smollm2-135m",
                        adapters={"tool_call_precision": "a/tcp", "communicate_result": "a/cr"})
@@ -419,7 +419,7 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 def test_a_server_process_is_waited_for_and_stopped_and_a_dead_one_is_a_clear_error():
     import sys
 
-    from trace_lib.agent.serve import ServerProcess, free_port, healthy
+    from trace_lib.engine.serve import ServerProcess, free_port, healthy
 
     port = free_port()
     with ServerProcess("fake", [sys.executable, "-c", HEALTH_SERVER, str(port)], port, timeout=30) as server:

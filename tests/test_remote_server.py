@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trace_lib.agent.policy import load_policy
-from trace_lib.agent.remote import OpenAIPolicy
+from trace_lib.engine.policy import load_policy
+from trace_lib.engine.remote import OpenAIPolicy
 from trace_lib.agent.rollout import collect_rollouts
-from trace_lib.agent.serve import ServerProcess, free_port, vllm_command
+from trace_lib.engine.serve import ServerProcess, free_port, vllm_command
 from trace_lib.config import EnvConfig, RolloutConfig
 from trace_lib.envs import make_env, make_tasks
-from trace_lib.routing.compose import apply_route
+from trace_lib.engine.compose import apply_route
 from trace_lib.routing.route import ANSWER_PREFIX, RouteCandidate, label_probabilities, route_labels, route_prompt
 
 VLLM_PYTHON = os.environ.get("TRACE_VLLM_PYTHON")

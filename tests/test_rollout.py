@@ -112,7 +112,7 @@ def test_tool_choice_first_requires_a_call_only_on_the_opening_turn():
 def test_continuous_batching_plays_the_episodes_turn_by_turn_calls_play(tiny_model_dir, constrained):
     """Greedy, the tiny model: one `play_turns` call (turns joining a decoding batch, the queue refilling
     slots) records what one call per turn records; the rows' turns end at different steps."""
-    from trace_lib.agent.policy import load_policy
+    from trace_lib.engine.policy import load_policy
 
     policy = load_policy(tiny_model_dir)
     policy.stop_ids = [*policy.stop_ids, *range(0, policy._vocab_size(), 7)]  # turns of many lengths

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 from trace_lib.records import Capability, Message, Task, Trajectory, UserScenario
 from trace_lib.routing.route import (
     ANSWER_PREFIX,

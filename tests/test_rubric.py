@@ -11,7 +11,7 @@ from trace_lib.config import EnvConfig
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
 from trace_lib.records import Message, ToolCall
 from trace_lib.synth.rubric import RubricError, item_means, rubric, share, verdict
-from trace_lib.synth.sandbox import SandboxError, SandboxLimits, SandboxProcess
+from trace_lib.sandbox import SandboxError, SandboxLimits, SandboxProcess
 from trace_lib.synth.templates import render_template_module
 
 TARGET = {"name": "retail", "tools": "core"}

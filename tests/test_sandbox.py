@@ -1,4 +1,4 @@
-"""trace_lib.synth.sandbox: static checks, and the worker process's defenses.
+"""trace_lib.sandbox: static checks, and the worker process's defenses.
 
 The process tests load `synth_fixtures/probe_host.py` (hostile on purpose) with `trusted=True`, so
 they exercise the process-level fences without the static check or the builtins fence in front.
@@ -15,7 +15,7 @@ import pytest
 from toy import CONTRACT_STUB as CONTRACT
 
 from trace_lib.config import ValidationConfig
-from trace_lib.synth.sandbox import (
+from trace_lib.sandbox import (
     ALLOWED_IMPORTS,
     SandboxError,
     SandboxLimits,
@@ -105,7 +105,7 @@ def test_child_env_drops_secrets_and_proxies():
     assert env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1" and env["PYTHONHASHSEED"] == "0"
     assert env["HOME"] == env["TMPDIR"] == "/tmp/s"
     assert not {"ANTHROPIC_API_KEY", "HF_TOKEN", "HTTPS_PROXY", "http_proxy", "AWS_SECRET_ACCESS_KEY"} & set(env)
-    assert Path(env["PYTHONPATH"], "trace_lib", "synth", "sandbox.py").is_file()
+    assert Path(env["PYTHONPATH"], "trace_lib", "sandbox", "__init__.py").is_file()
 
 
 def test_child_env_keeps_the_parents_import_path_after_trace(tmp_path):
@@ -117,7 +117,7 @@ def test_child_env_keeps_the_parents_import_path_after_trace(tmp_path):
     given = os.pathsep.join([str(site), "", ".", "rel", "/no/such/dir", str(more), str(scratch / "x")])
     env = child_env({"PYTHONPATH": given, "HF_TOKEN": "x"}, scratch=str(scratch))
     root, *rest = env["PYTHONPATH"].split(os.pathsep)
-    assert Path(root, "trace_lib", "synth", "sandbox.py").is_file()
+    assert Path(root, "trace_lib", "sandbox", "__init__.py").is_file()
     assert rest == [str(site), str(more)] and "HF_TOKEN" not in env
 
 

@@ -147,7 +147,7 @@ def zero_lora(folder: Path) -> Path:
 
 
 def test_adapter_is_identity(loras, tmp_path):
-    from trace_lib.agent.adapters import adapter_is_identity
+    from trace_lib.engine.adapters import adapter_is_identity
 
     assert adapter_is_identity(loras["zero"]) and not adapter_is_identity(loras["a"])
     assert not adapter_is_identity(tmp_path)  # no weights file

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trace_lib.analyst.llm import LLMError
+from trace_lib.llm import LLMError
 from trace_lib.analyst.score import (
     consensus,
     contrast,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.policy import load_policy
 import trace_lib.training.shared_prompt as shared_prompt
 from trace_lib.training.shared_prompt import SharedPrefix, Span, grouped_logps, leaf_batches, shared_spans
 

@@ -172,7 +172,7 @@ def _run(cmd: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedP
 @pytest.mark.e2e
 def test_papermill_sweep_of_rollout(tmp_path: Path, tiny_model_dir: Path):
     """Two temperatures: each run writes its own trajectories and notebook; sweep.csv has a row each."""
-    from trace_lib.agent.model import resolve_model
+    from trace_lib.engine.model import resolve_model
 
     model_dir = resolve_model(str(tiny_model_dir), tmp_path / "model", "float32")  # the prepare_model stage
     params_file = tmp_path / "params.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_llm import FakeMessagesAPI, _message
 
-from trace_lib.analyst.llm import LLMClient
+from trace_lib.llm import LLMClient
 from trace_lib.analyst.render import render_task
 from trace_lib.config import params_from_dict
 from trace_lib.io import read_json, write_jsonl
@@ -82,7 +82,7 @@ def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
 def test_an_environment_no_setting_calibrates_is_dropped_and_its_rollouts_charged(tmp_path, tiny_model_dir):
     """A random tiny model never succeeds: every setting tried is out of band, so the environment is not installed,
     its manifest says why, and the episodes it played are in the synthesize ledger (TRACE's budget)."""
-    from trace_lib.training.budget import total_rollouts
+    from trace_lib.budget import total_rollouts
 
     params = params_from_dict({"analyst": {"backend": "rules"},
                                "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},

@@ -17,7 +17,7 @@ from trace_lib.envs.tau2_user import (
     user_guidelines,
 )
 from trace_lib.envs.user import ScriptedUser
-from trace_lib.analyst.llm import LLMClient
+from trace_lib.llm import LLMClient
 from trace_lib.records import Message
 
 KEY = "sk-ant-test-0000-never-stored"

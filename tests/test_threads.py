@@ -1,4 +1,4 @@
-"""Decoding threads chosen from the CPU use of other processes (trace_lib/agent/threads.py)."""
+"""Decoding threads chosen from the CPU use of other processes (trace_lib/engine/threads.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from trace_lib.agent import threads
-from trace_lib.agent.threads import CpuSample, ThreadGovernor, others_busy, pick_threads, read_cpu_sample
+from trace_lib.engine import threads
+from trace_lib.engine.threads import CpuSample, ThreadGovernor, others_busy, pick_threads, read_cpu_sample
 
 
 @pytest.mark.parametrize(("busy", "cpus", "most", "expected"), [
@@ -100,7 +100,7 @@ def test_a_fixed_thread_count_is_never_governed(fake_cpu) -> None:
 
 def test_the_governed_count_does_not_change_decoded_tokens(tiny_model_dir) -> None:
     """Same seed at 1 and 2 threads: the same tokens (bf16, sampling at temperature 1)."""
-    from trace_lib.agent.policy import load_policy
+    from trace_lib.engine.policy import load_policy
     from trace_lib.records import Message
 
     tiny_policy = load_policy(tiny_model_dir, dtype="bfloat16")
@@ -118,7 +118,7 @@ def test_the_governed_count_does_not_change_decoded_tokens(tiny_model_dir) -> No
 
 def test_policy_generate_asks_the_governor_between_steps(tiny_model_dir, fake_cpu, monkeypatch) -> None:
     """Beside a busy process, decoding drops to one thread; the GRPO update's restore brings two back."""
-    from trace_lib.agent.policy import load_policy
+    from trace_lib.engine.policy import load_policy
     from trace_lib.records import Message
 
     gov = ThreadGovernor(max_threads=2, check_every_s=0.0)
@@ -136,8 +136,8 @@ def test_policy_generate_asks_the_governor_between_steps(tiny_model_dir, fake_cp
 def test_switching_threads_mid_decoding_keeps_the_tokens_of_smollm2(smollm2_dir, monkeypatch) -> None:
     """The real model in bf16, 8 rows sampled at temperature 1: a thread count switched between every
     decoding step (as the governor may) gives the tokens of a fixed 2 threads."""
-    from trace_lib.agent import policy as policy_module
-    from trace_lib.agent.policy import load_policy
+    from trace_lib.engine import policy as policy_module
+    from trace_lib.engine.policy import load_policy
     from trace_lib.records import Message
 
     policy = load_policy(smollm2_dir, dtype="bfloat16")

@@ -16,11 +16,11 @@ import pytest
 import torch
 from toy import KVEnv, PickEnv, kv_task, pick_tasks
 
-from trace_lib.agent.policy import Policy
+from trace_lib.engine.policy import Policy
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import UserTurn
 from trace_lib.records import Message
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import (
     TRUNCATION_MARK,
     AgentRollout,
@@ -586,7 +586,7 @@ def test_the_trainable_policy_samples_with_its_adapter(tiny_model_dir):
 def test_episodes_are_sampled_with_the_adapter_folded_in_and_the_base_weights_come_back_bit_for_bit(
         tiny_model_dir, monkeypatch):
     import trace_lib.training.grpo as grpo_mod
-    from trace_lib.routing.compose import is_merged
+    from trace_lib.engine.compose import is_merged
 
     policy, _ = load_trainable(tiny_model_dir, TrainConfig(lora_rank=4), "trl", seed=0)
     torch.manual_seed(1)
@@ -648,7 +648,7 @@ def test_the_unsloth_backend_trains_through_the_same_path_and_writes_the_same_re
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trace_lib.agent.chat import tool_chat_template
+    from trace_lib.engine.chat import tool_chat_template
     from trace_lib.training import trainer as trainer_mod
 
     calls: list = []

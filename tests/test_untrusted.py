@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.toy import KV_TOOLS, KVEnv, kv_task
-from trace_lib.agent.chat import parse_assistant, render_prompt
+from trace_lib.engine.chat import parse_assistant, render_prompt
 from trace_lib.agent.rollout import collect_rollouts, summarize
 from trace_lib.config import EnvConfig, RolloutConfig
 from trace_lib.envs.base import ToolSpec

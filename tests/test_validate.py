@@ -27,7 +27,7 @@ from trace_lib.envs.synthetic import (
     trl_rows,
 )
 from trace_lib.records import Message, ToolCall, ValidationReport
-from trace_lib.synth.sandbox import SandboxError, SandboxProcess, limits_from_config
+from trace_lib.sandbox import SandboxError, SandboxProcess, limits_from_config
 from trace_lib.synth.validate import action_message, first_difference, validate_env
 
 FIXTURES = Path(__file__).parent / "synth_fixtures"

@@ -42,7 +42,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
     """Weights dtype for inference. 'auto': stored in bfloat16, computed in bfloat16 where that is faster than
     float32 (CUDA; a CPU with oneDNN bf16 kernels and AMX, or AVX-512 bf16 on AMD) and in float32 elsewhere
-    (`agent.model.bf16_is_faster`). On 2 cores SmolLM2's linear layers at 256 rows took 0.23-0.27x fp32's time in
+    (`engine.model.bf16_is_faster`). On 2 cores SmolLM2's linear layers at 256 rows took 0.23-0.27x fp32's time in
     bfloat16 with AMX or on a Zen 5 EPYC, 1.53x on an Intel Xeon with AVX-512 bf16 but no AMX, and 6.1x on an
     AVX2-only EPYC (a reference GEMM; benchmarks/README.md: linear_dtype)."""
     device: str = "auto"
@@ -51,19 +51,19 @@ class ModelConfig(Section):
     out_dir: str = "data/model"
     """Where prepare_model writes (or records) the resolved HF model folder."""
     tool_format: Literal["json", "signature"] = "json"
-    """How the agent's system turn lists the tools (agent/chat.py, `TOOL_FORMATS`): 'json' (one JSON schema
+    """How the agent's system turn lists the tools (engine/chat.py, `TOOL_FORMATS`): 'json' (one JSON schema
     per line, Hermes) or 'signature' (`name(arg: type): description`, ~half the tokens). Recorded in the
     prepared folder's model.json, so every stage, the trainer and a served template use the same one."""
 
 
 class PolicyConfig(Section):
-    """Where the agent's turns are decoded (trace_lib.agent.policy in-process, or agent.remote on a server)."""
+    """Where the agent's turns are decoded (trace_lib.engine.policy in-process, or engine.remote on a server)."""
 
     backend: Literal["embedded", "openai"] = "embedded"
     """'embedded': trace's own engine on the prepared model (CPU or CUDA); 'openai': an OpenAI-compatible
     server (vLLM, SGLang) at `base_url` decodes the rollout, evaluate and scaling stages' episodes and
     scores the router's labels (its top log-probabilities); adapters are loaded into it by name and a
-    merge is served as one concatenated adapter (agent/remote.py). Training stays in-process."""
+    merge is served as one concatenated adapter (engine/remote.py). Training stays in-process."""
     base_url: str | None = None
     """The server's API root, e.g. http://localhost:8000/v1 (required with backend 'openai')."""
     served_model: str | None = None
@@ -184,11 +184,11 @@ class RolloutConfig(Section):
     the live episodes."""
     threads: int = Field(0, ge=0)
     """torch CPU threads for decoding (0: up to torch's default, fewer while other processes keep the
-    cores busy, agent/threads.py; n > 0: always n)."""
+    cores busy, engine/threads.py; n > 0: always n)."""
 
 
 class AnalystConfig(Section):
-    """The analyst behind discover and score (trace_lib.analyst.llm); same prompts whatever the backend."""
+    """The analyst behind discover and score (trace_lib.llm); same prompts whatever the backend."""
 
     backend: Literal["auto", "anthropic", "openai", "local", "rules"] = "auto"
     """'anthropic': Claude; 'openai': any OpenAI-compatible Chat Completions server at `base_url` (vLLM, SGLang, a
@@ -207,7 +207,7 @@ class AnalystConfig(Section):
     against the schema and re-asked once with the reason."""
     prices: dict[str, tuple[float, float]] = Field(default_factory=dict)
     """USD per million (input, output) tokens by model-name prefix, for the cost columns of the ledgers and the
-    report; added to the built-in Claude list prices (`analyst.llm.PRICES`). A model with no price gets none."""
+    report; added to the built-in Claude list prices (`trace_lib.llm.PRICES`). A model with no price gets none."""
     local_model: str = "data/model"
     """HF model folder for the local backend (default: the prepared policy model)."""
     cache_dir: str = "data/analyst_cache"
@@ -506,7 +506,7 @@ class TrainConfig(Section):
     rounding depend on it. 0 on CPU: `trainer.CPU_PASS_ROWS` (memory; benchmarks/README.md: train_step)."""
     threads: int = Field(0, ge=0)
     """torch CPU threads (0: torch's default for the update; sampling runs on fewer while other
-    processes keep the cores busy, agent/threads.py; n > 0: always n)."""
+    processes keep the cores busy, engine/threads.py; n > 0: always n)."""
 
     @model_validator(mode="after")
     def _processes_get_whole_groups(self) -> TrainConfig:
@@ -575,7 +575,7 @@ class EvaluateConfig(Section):
     decode_together: bool = False
     """Greedy evaluation with trace's own engine: decode every method's episodes (and the scaling stage's
     every budget point's; the interference matrix's one environment at a time) in one continuously refilled
-    batch whose rows run under different weights (`runner.decode_into_memo`, `agent.row_lora`), the routes
+    batch whose rows run under different weights (`runner.decode_into_memo`, `engine.row_lora`), the routes
     interleaved, instead of one batch per method: faster on a CPU, the same successes (benchmarks/README.md:
     evaluate_routes.py); the cpu profile turns it on. Off elsewhere: not measured on a GPU."""
     methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))

@@ -42,7 +42,7 @@ stand in for `TargetWorld` and the retail helpers.
 A module rendered by the offline template synthesizer binds `template(CAPABILITY, TARGET)` and
 delegates each of these functions to the object it returns (`trace_lib.synth.templates`).
 
-Only the standard-library modules in `trace_lib.synth.sandbox.ALLOWED_IMPORTS`, this module and τ²-bench's
+Only the standard-library modules in `trace_lib.sandbox.ALLOWED_IMPORTS`, this module and τ²-bench's
 domain packages may be imported by a module; the sandbox checks that before running anything.
 """
 

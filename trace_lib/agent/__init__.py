@@ -1,2 +1,1 @@
-"""The policy side: the model (GGUF -> HF), its chat format with tools, constrained decoding, the KV
-cache and the episode loop that plays many episodes at once (`collect_rollouts`)."""
+"""The episode loop: the agent plays many episodes at once on the engine (`collect_rollouts`)."""

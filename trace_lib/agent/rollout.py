@@ -1,7 +1,7 @@
 """The episode loop: a policy plays many episodes of an environment at once (paper §3.1, first step).
 
 Reads nothing from disk and writes nothing: `collect_rollouts` takes a policy (anything with the
-`Generator` protocol, e.g. `trace_lib.agent.policy.Policy`), an environment factory and tasks, and
+`Generator` protocol, e.g. `trace_lib.engine.policy.Policy`), an environment factory and tasks, and
 returns `Trajectory` records sorted by id (no timings inside, so the bytes repeat) plus the timing.
 `summarize` turns trajectories into success rates with 95% Wilson intervals. The rollout, evaluate,
 scaling and GEPA steps all play their episodes through here.
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from trace_lib.agent.adapters import canonical_weights, route_label
+from trace_lib.engine.adapters import canonical_weights, route_label
 from trace_lib.config import RolloutConfig
 from trace_lib.envs.base import Environment, EpisodeState
 from trace_lib.records import Message, Task, Trajectory
@@ -30,7 +30,7 @@ from trace_lib.stats import wilson_interval
 
 
 class Generator(Protocol):
-    """What rollouts need from a policy (trace_lib.agent.policy.Policy satisfies it)."""
+    """What rollouts need from a policy (trace_lib.engine.policy.Policy satisfies it)."""
 
     policy_id: str
 
@@ -158,9 +158,9 @@ def collect_routed_rollouts(
 ) -> tuple[list[list[Trajectory]], RolloutTiming]:
     """Every job's task `cfg.samples_per_task` times under the job's weights ({adapter: α}; {} the base
     model), all jobs in one continuously refilled batch whose rows run under different weights
-    (`Policy.play_turns` with routes, `agent.row_lora`); returns each job's trajectories (sorted by id) and
+    (`Policy.play_turns` with routes, `engine.row_lora`); returns each job's trajectories (sorted by id) and
     the timing. A trajectory's `adapter` and `policy_id` name its weights as `collect_rollouts` under
-    `routing.compose.apply_route` names them. Needs trace's own engine (`Policy.plays_turns`)."""
+    `engine.compose.apply_route` names them. Needs trace's own engine (`Policy.plays_turns`)."""
     if not getattr(policy, "plays_turns", False):
         raise ValueError("collect_routed_rollouts needs trace's own engine (Policy.play_turns)")
     routes: list[dict[str, float]] = []
@@ -211,7 +211,7 @@ def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queu
     """`collect_rollouts` through one `Policy.play_turns` call: the queue refills a slot when its episode ends.
     Queue items are (task, sample), or (task, sample, route) with `routes` (each route's (policy id,
     adapter label) in `route_ids`; each finished episode's route appended to `done_routes`)."""
-    from trace_lib.agent.policy import NextTurn
+    from trace_lib.engine.policy import NextTurn
 
     def start() -> _Episode:
         task, sample, *route = queue.pop()

@@ -27,7 +27,7 @@ import pandas as pd
 
 from trace_lib.analyst.detectors import DETECTORS, detect, detector_capabilities
 from trace_lib.analyst.embed import embed_texts
-from trace_lib.analyst.llm import LLMClient, LLMError
+from trace_lib.llm import LLMClient, LLMError
 from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_for_analyst, tools_block
 from trace_lib.config import DiscoverConfig

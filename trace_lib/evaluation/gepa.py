@@ -4,14 +4,14 @@ Reads params (`analyst`, `evaluate`); writes, when the row runs,
 
     data/evaluate/gepa_prompt.md        the optimized system prompt (one section per target env)
     data/evaluate/gepa_rollouts.jsonl   rollout ledger of GEPA's metric calls (stage 'gepa')
-    data/evaluate/gepa_llm.jsonl        tokens and cost of the reflection calls (trace_lib.analyst.llm ledger)
+    data/evaluate/gepa_llm.jsonl        tokens and cost of the reflection calls (trace_lib.llm ledger)
 
 GEPA (the `gepa` package, PyPI 0.1.4) evolves named text components — here the system prompt of
 each target environment — from the agent's own episodes: it scores a candidate prompt by rolling
 the agent out on the target's *train* tasks (one metric call = one episode), shows a minibatch of
 transcripts with their rewards to a reflection LLM, which writes a new prompt, and keeps the
 candidates that do better (Pareto front over the train tasks). The reflection LLM is the analyst
-backend (`anthropic` or `local`, through `trace_lib.analyst.llm`, cached and ledgered like every analyst
+backend (`anthropic` or `local`, through `trace_lib.llm`, cached and ledgered like every analyst
 call). Metric calls are capped at min(TRACE's total rollouts, `evaluate.gepa_max_rollouts`) and
 counted in a rollout ledger; the cap is hard: a batch that would pass it is not run and the
 search stops. The best prompt then runs on the held-out tasks like every other method.
@@ -42,7 +42,7 @@ from trace_lib.evaluation.runner import (
 from trace_lib.io import atomic_write_text
 from trace_lib.paths import Paths
 from trace_lib.records import Task, Trajectory
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ Example = tuple[str, Task]
 
 def gepa_status(params: Any, budget_total: int | None = None) -> str | None:
     """Why the GEPA row cannot run, or None when it can (LLM analyst, gepa installed, budget > 0)."""
-    from trace_lib.analyst.llm import resolve_analyst
+    from trace_lib.llm import resolve_analyst
 
     backend = resolve_analyst(params.analyst, announce=False)
     if backend == "rules":
@@ -277,7 +277,7 @@ def prompt_markdown(prompts: Mapping[str, str]) -> str:
 def run_gepa(policy: Any, params: Any, root: Path, trace_total: int,
              make_env: Callable[[Any], Environment]) -> GepaRun:
     """The evaluate stage's GEPA row: optimize on each target's train split, write the prompt and ledger."""
-    from trace_lib.analyst.llm import analyst_client
+    from trace_lib.llm import analyst_client
 
     cfg: EvaluateConfig = params.evaluate
     paths = Paths(root)

@@ -32,73 +32,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from trace_lib.budget import adapter_manifest
 from trace_lib.config import EnvConfig
-from trace_lib.io import read_json, read_jsonl
+from trace_lib.io import read_jsonl
 from trace_lib.paths import Paths
-from trace_lib.records import AdapterManifest, Capability, SyntheticEnvManifest, Trajectory
-from trace_lib.training.budget import total_rollouts
+from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
 
-DISTILLED = "distilled"
-"""The student of cross-skill distillation (train stage, `train.distill`); it lives beside the baselines."""
-BASELINES = ("grpo_target", "grpo_target_late", "merged_data", DISTILLED)
-"""Adapters the evaluate stage looks for under data/adapters/_baselines/ (the distilled student among them:
-one adapter for every task, trained after the capability adapters)."""
 RETRIEVAL_EXAMPLES = 8
 """Synthetic training tasks per capability whose openings the retrieval index holds."""
 
 
-def _manifest(folder: Path) -> AdapterManifest | None:
-    path = folder / "manifest.json"
-    if not (path.is_file() and (folder / "adapter_config.json").is_file()):
-        return None
-    return AdapterManifest.model_validate(read_json(path))
-
-
-def find_adapters(root: Path) -> tuple[dict[str, Path], dict[str, Path]]:
-    """(capability adapters, baseline adapters): name -> folder, for folders with a PEFT config and a
-    manifest. Hidden folders (temp, checkpoints) are skipped."""
-    paths = Paths(root)
-    base = paths.adapters
-    caps = {}
-    if base.is_dir():
-        for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
-            if _manifest(folder) is not None:
-                caps[folder.name] = folder
-    clash = sorted(set(caps) & set(BASELINES))
-    if clash:
-        raise ValueError(f"capability adapter(s) {clash} use a baseline's name; rename the capability")
-    baselines = {n: paths.adapter(n, True) for n in BASELINES if _manifest(paths.adapter(n, True))}
-    return caps, baselines
-
-
-def adapter_budget(root: Path, name: str, baseline: bool = False) -> tuple[int, str]:
-    """(rollouts an adapter cost, where the number came from: the ledger path or 'manifest')."""
-    ledger = Paths(root).train_ledger(name, baseline)
-    if ledger.is_file():
-        return int(total_rollouts([ledger])["total"]), ledger.relative_to(root).as_posix()
-    manifest = _manifest(Paths(root).adapter(name, baseline))
-    if manifest is None:
-        raise FileNotFoundError(f"no ledger {ledger} and no adapter manifest for {name!r}")
-    return int(manifest.rollouts_used), "manifest"
-
-
-def trace_budget(root: Path, names: list[str], rollout_split: str | None = None) -> dict[str, Any]:
-    """TRACE's rollouts: the base agent's discovery rollouts on the target (`rollout_split`'s
-    trajectories; None: not charged), every capability adapter's training and the synthesize stage's
-    band checks, as the paper's scaling curves charge them.
-
-    This is the budget a baseline (GRPO on the target, merged data, GEPA) is given."""
-    by_adapter = {n: adapter_budget(root, n)[0] for n in names}
-    synth = Paths(root).synth_rollouts
-    band = int(total_rollouts([synth])["total"]) if synth.is_file() else 0
-    discovery = analysis_rollouts(root, rollout_split) if rollout_split is not None else 0
-    return {"total": sum(by_adapter.values()) + band + discovery, "by_adapter": by_adapter, "synthesize": band,
-            "discovery": discovery}
-
-
 def check_base_model(folder: Path, base_id: str) -> None:
     """Warn when an adapter was trained on another base model than the one evaluated."""
-    manifest = _manifest(folder)
+    manifest = adapter_manifest(folder)
     if manifest is not None and manifest.base_model and manifest.base_model != base_id:
         warnings.warn(f"adapter {folder.name!r} was trained on {manifest.base_model!r}, evaluated on {base_id!r}",
                       stacklevel=2)
@@ -167,12 +113,3 @@ def retrieval_openings(box: Any, capability: str, seeds: list[int], difficulty: 
 
     tasks = synthetic_tasks(box, capability, seeds, difficulty, "train")
     return [(capability, ScriptedUser(t.user).opening()) for t in tasks]
-
-
-def analysis_rollouts(root: Path, split: str) -> int:
-    """Episodes the rollout stage spent on the target's train split (discovery; part of TRACE's budget)."""
-    path = Paths(root).rollouts(split)
-    if not path.is_file():
-        return 0
-    with path.open(encoding="utf-8") as fh:
-        return sum(1 for line in fh if line.strip())

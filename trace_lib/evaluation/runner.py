@@ -26,8 +26,8 @@ from trace_lib.envs import load_tasks, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.evaluation.tables import NONE_ROUTE as NONE
 from trace_lib.records import RouterName, Task, Trajectory
-from trace_lib.agent.adapters import canonical_weights, route_label
-from trace_lib.routing.compose import apply_route
+from trace_lib.engine.adapters import canonical_weights, route_label
+from trace_lib.engine.compose import apply_route
 from trace_lib.routing.route import (
     RetrievalIndex,
     RouteCandidate,
@@ -141,7 +141,7 @@ def routes_in_one_batch(policy: Any) -> str | None:
     else why it decodes them weight by weight."""
     if not getattr(policy, "plays_turns", False) or not hasattr(policy, "play_turns"):
         return "the policy does not play turns (a server, or a model without a buffered cache)"
-    from trace_lib.agent.row_lora import supports_routes
+    from trace_lib.engine.row_lora import supports_routes
 
     return supports_routes(policy.model)
 

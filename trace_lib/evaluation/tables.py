@@ -423,7 +423,7 @@ LLM_COST_COLUMNS = ["stage", "backend", "model", "calls", "sent", "cache hits", 
 
 
 def llm_cost_frame(ledgers: Sequence[Sequence[Mapping[str, Any]]]) -> pd.DataFrame:
-    """Every LLM call of a run, from its ledgers' rows (`analyst.llm` writes them): one row per stage, backend and
+    """Every LLM call of a run, from its ledgers' rows (`trace_lib.llm` writes them): one row per stage, backend and
     model, then a total. Tokens and cost count the requests sent (a cache hit is free); the cost is 'no price'
     where a sent request's model has none (`analyst.prices`)."""
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from trace_lib.agent.chat import render_prompt
+from trace_lib.engine.chat import render_prompt
 from trace_lib.analyst.embed import embed_texts
 from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_message
@@ -51,7 +51,7 @@ from trace_lib.records import (
     Task,
     Trajectory,
 )
-from trace_lib.routing.compose import is_merged
+from trace_lib.engine.compose import is_merged
 
 ANSWER_PREFIX = "Answer:"
 """Pre-filled at the start of the assistant turn; the next token is the label."""
@@ -159,7 +159,7 @@ def _unwrap(model: Any, tokenizer: Any) -> tuple[Any, Any]:
 
 
 def _label_scores(model, tokenizer, prompts, labels, batch_size) -> tuple[np.ndarray, np.ndarray]:
-    if hasattr(model, "label_scores"):  # a served policy (agent.remote): the server's top log-probabilities
+    if hasattr(model, "label_scores"):  # a served policy (engine.remote): the server's top log-probabilities
         if any(isinstance(p, str) for p in prompts):
             raise TypeError("a served policy scores routing questions as messages (route_prompt), not rendered text")
         return model.label_scores(prompts, labels, ANSWER_PREFIX)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_lib.analyst.discover import merge_proposals, proposal_records, propose_all
-from trace_lib.analyst.llm import LLMError, analyst_client
+from trace_lib.llm import LLMError, analyst_client
 from trace_lib.config import Params
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.io import read_jsonl, write_json, write_jsonl

@@ -39,7 +39,7 @@ Paper §4 (Table 1, the routing-vs-merging comparison, the interference analysis
 Running a method is `trace_lib.evaluation.runner`; the tables are `trace_lib.evaluation.tables`. Greedy
 episodes are shared between methods that send a task to the same weights; with `evaluate.decode_together`
 (on in the cpu profile) every method's are decoded in one batch whose rows run under different weights
-(`runner.decode_into_memo`, `agent.row_lora`) before the rows are assembled (GEPA's, under another system
+(`runner.decode_into_memo`, `engine.row_lora`) before the rows are assembled (GEPA's, under another system
 prompt, apart); the interference matrix then decodes each synthetic environment's episodes of the base model
 and of every adapter in one such batch.
 """
@@ -52,14 +52,15 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, get_args
 
-from trace_lib.agent.backends import open_policy
-from trace_lib.agent.model import numerics
-from trace_lib.analyst.llm import analyst_client
+from trace_lib.engine.backends import open_policy
+from trace_lib.engine.model import numerics
+from trace_lib.llm import analyst_client
 from trace_lib.analyst.score import label_trajectories
 from trace_lib.config import EnvConfig, EvaluateConfig, Params
 from trace_lib.envs import graded_reward, load_tasks, make_env, make_tasks, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
+from trace_lib.budget import DISTILLED, adapter_budget, find_adapters, trace_budget
 from trace_lib.evaluation import inputs
 from trace_lib.evaluation.gepa import gepa_status, run_gepa, with_prompt
 from trace_lib.evaluation.runner import (
@@ -113,7 +114,7 @@ from trace_lib.routing.route import (
     make_candidate,
 )
 from trace_lib.routing.routers import KnnRouter, lacking_labels
-from trace_lib.synth.sandbox import SandboxProcess, limits_from_config
+from trace_lib.sandbox import SandboxProcess, limits_from_config
 
 ROUTERS: tuple[RouterName, ...] = get_args(RouterName)
 """Every router is scored on the train and test splits; `evaluate.router` drives the TRACE rows."""
@@ -126,7 +127,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     paths = Paths(root)
     paths.oracle_labels.unlink(missing_ok=True)  # a previous run's, which this one may not replace
     paths.validation_labels.unlink(missing_ok=True)
-    caps, baselines = inputs.find_adapters(root)
+    caps, baselines = find_adapters(root)
     names = sorted(caps)
     policy = open_policy(params, Path(params.model.out_dir), {**caps, **baselines}, threads=params.rollout.threads)
     for folder in [*caps.values(), *baselines.values()]:
@@ -134,7 +135,7 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     rcfg = eval_rollout_config(params.rollout, cfg)
     targets = eval_targets(params.env, cfg, root)
     tasks = [t for _, ts in targets for t in ts]
-    budget = inputs.trace_budget(root, names, params.rollout.split)
+    budget = trace_budget(root, names, params.rollout.split)
     wanted = set(cfg.methods)
     runs: list[MethodRun] = []
     decisions: dict[str, list[RouteDecision]] = {}
@@ -166,11 +167,11 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     for name, label in (("grpo_target", "GRPO on target"), ("grpo_target_late", "GRPO on target (reads played)"),
                         ("merged_data", "merged data (one adapter)")):
         if name in baselines:
-            n, src = inputs.adapter_budget(root, name, baseline=True)
+            n, src = adapter_budget(root, name, baseline=True)
             add(name, name, label, routing_for=lambda e, ts, a=name: a, budget_n=n, source=src)
         else:
             add(name, name, label, f"no adapter at {paths.adapter(name, True).relative_to(root)} "
-                                   "(train it at TRACE's budget: eval_inputs.trace_budget)")
+                                   "(train it at TRACE's budget: trace_lib.budget.trace_budget)")
     gepa_reason, gepa_record = gepa_status(params, budget["total"]), None
     if gepa_reason is None and "gepa" in wanted:
         gepa = run_gepa(policy, params, root, budget["total"], make_env)
@@ -208,13 +209,13 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
             no_caps or (None if "base" in wanted else "evaluate.oracle 'labels' reads the base model's episodes: "
                                                       "add base to evaluate.methods"),
             lambda e, ts: oracle_decisions(ts, names, labelled_oracle()), **trace)
-    if inputs.DISTILLED in baselines:  # TRACE's budget and the student's own episodes
-        n, src = inputs.adapter_budget(root, inputs.DISTILLED, baseline=True)
-        add("distilled", "distilled", "TRACE distilled (one adapter)", routing_for=lambda e, ts: inputs.DISTILLED,
+    if DISTILLED in baselines:  # TRACE's budget and the student's own episodes
+        n, src = adapter_budget(root, DISTILLED, baseline=True)
+        add("distilled", "distilled", "TRACE distilled (one adapter)", routing_for=lambda e, ts: DISTILLED,
             budget_n=budget["total"] + n, source=f"TRACE adapters + {src}")
     else:
         add("distilled", "distilled", "TRACE distilled (one adapter)",
-            no_caps or f"no adapter at {paths.adapter(inputs.DISTILLED, True).relative_to(root)} (train.distill)")
+            no_caps or f"no adapter at {paths.adapter(DISTILLED, True).relative_to(root)} (train.distill)")
     quality: dict[str, Any] = {}
     routers: dict[str, dict[str, Any]] = {}
     chosen: str | None = None  # the router behind the TRACE rows

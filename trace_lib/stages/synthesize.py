@@ -17,14 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trace_lib.analyst.llm import analyst_client
+from trace_lib.llm import analyst_client
 from trace_lib.config import Params
 from trace_lib.io import read_jsonl, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
-from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import resolve_synth_backend, synthesize_env
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.calibrate import calibrate
 from trace_lib.training.sources import sandbox_limits, synthetic_source
 
@@ -41,7 +41,7 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
     policy = ledger = None
     if params.synthesize.validation.band or params.synthesize.calibration.enabled:
         # Heavy (torch): imported only when validation or calibration rolls the policy out.
-        from trace_lib.agent.policy import load_policy
+        from trace_lib.engine.policy import load_policy
 
         policy = load_policy(Path(params.model.out_dir), dtype=params.model.dtype, device=params.model.device,
                              tool_format=params.model.tool_format)

@@ -45,18 +45,18 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trace_lib.agent.model import numerics
-from trace_lib.agent.policy import load_policy
+from trace_lib.engine.model import numerics
+from trace_lib.engine.policy import load_policy
 from trace_lib.config import Params, TrainConfig
-from trace_lib.evaluation.inputs import DISTILLED, trace_budget
+from trace_lib.budget import DISTILLED, trace_budget
 from trace_lib.io import dumps_json, write_json, write_jsonl
 from trace_lib.paths import Paths
 from trace_lib.plots.train import write_train_csvs
 from trace_lib.records import AdapterManifest
-from trace_lib.synth.sandbox import SandboxProcess
+from trace_lib.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training import distributed
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.lockstep import LockstepJob, LockstepSampler, resume_points, run_lockstep
 from trace_lib.training.sources import sandbox_limits, synthetic_source, target_source
 from trace_lib.training.trainer import (
@@ -228,7 +228,7 @@ def launch_train(params: Params, root: Path, progress: bool = False) -> dict[str
     import tempfile
     from collections import deque
 
-    from trace_lib.agent.serve import free_port
+    from trace_lib.engine.serve import free_port
     from trace_lib.io import read_json
 
     with tempfile.TemporaryDirectory(prefix="trace-train-") as tmp:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.analyst.llm import LLMClient, LLMError, resolve_analyst
+from trace_lib.llm import LLMClient, LLMError, resolve_analyst
 from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_trajectory, tools_block
 from trace_lib.config import AnalystConfig, EnvConfig, Params, SynthesizeConfig
@@ -38,7 +38,7 @@ from trace_lib.envs.synthetic import synthetic_tasks
 from trace_lib.io import atomic_write_text, read_jsonl, write_json
 from trace_lib.paths import Paths
 from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
-from trace_lib.synth.sandbox import ALLOWED_IMPORTS, SandboxProcess, limits_from_config
+from trace_lib.sandbox import ALLOWED_IMPORTS, SandboxProcess, limits_from_config
 from trace_lib.synth.templates import render_template_module, template_capabilities, template_kinds
 from trace_lib.synth.validate import validate_env
 

@@ -1,7 +1,7 @@
 """Validation of a synthesized environment module: may it be used for training? (paper §3.2)
 
 Reads the module's source (static check in this process) and runs everything else in a
-`trace_lib.synth.sandbox.SandboxProcess`; reads the target environment's tools; with the optional band
+`trace_lib.sandbox.SandboxProcess`; reads the target environment's tools; with the optional band
 check, rolls out a policy (counted in the caller's rollout ledger). Writes nothing: the
 `ValidationReport` goes into the synthesize stage's manifest.
 
@@ -10,7 +10,7 @@ solvable; the checks, in order (a failed `static`, `loads`, `contract` or `task_
 sandbox failure, stops the run since later checks would be meaningless; other failures are recorded
 and the checks go on, so a synthesizer gets all of its problems at once):
 
-    static            trace_lib.synth.sandbox.check_source: allowed imports only, no forbidden builtins
+    static            trace_lib.sandbox.check_source: allowed imports only, no forbidden builtins
     loads             the module imports in the sandbox
     contract          CAPABILITY, TARGET (the configured target), DIFFICULTY range holds `difficulty`
     interface         tool_schemas() equal to the target's (names, arguments, descriptions)
@@ -44,7 +44,7 @@ from trace_lib.envs.synthetic import (
     task_payload,
 )
 from trace_lib.records import Check, Message, Task, ToolCall, ValidationReport
-from trace_lib.synth.sandbox import (
+from trace_lib.sandbox import (
     SandboxError,
     SandboxProcess,
     check_source,
@@ -332,7 +332,7 @@ def _band(run: _Run, policy: Any, ledger: Any, rollout_cfg: RolloutConfig | None
     rcfg = (rollout_cfg or RolloutConfig()).model_copy(update={"samples_per_task": cfg.band_samples})
     trajectories, _ = collect_rollouts(policy, run.env, tasks, rcfg, seed=0, progress=False)
     if ledger is not None:
-        ledger.add("synthesize", len(trajectories))  # the stage that spends them (trace_lib.training.budget)
+        ledger.add("synthesize", len(trajectories))  # the stage that spends them (trace_lib.budget)
     by_task: dict[str, list[float]] = {}
     for t in trajectories:
         by_task.setdefault(t.task_id, []).append(t.reward)

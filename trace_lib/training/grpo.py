@@ -66,14 +66,14 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
-from trace_lib.agent.chat import parse_assistant
-from trace_lib.agent.policy import Policy
+from trace_lib.engine.chat import parse_assistant
+from trace_lib.engine.policy import Policy
 from trace_lib.agent.rollout import must_call
 from trace_lib.config import TrainConfig
 from trace_lib.envs.base import Environment
 from trace_lib.io import dumps_json
 from trace_lib.records import Message, Task, ToolCall
-from trace_lib.routing.compose import merged_adapters
+from trace_lib.engine.compose import merged_adapters
 from trace_lib.synth.rubric import item_means
 from trace_lib.training import distributed
 from trace_lib.training.hints import hint_from_steps, hinted_samples, with_hint
@@ -310,7 +310,7 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
     decoded in one continuously batched call; otherwise turn by turn, each turn of the live episodes one call.
 
     `adapters` (one per episode): each episode is decoded under that LoRA adapter of `policy`'s model, all of
-    them in the same batches (per-row routes, `agent/row_lora.py`; `training/lockstep.py` plays several
+    them in the same batches (per-row routes, `engine/row_lora.py`; `training/lockstep.py` plays several
     trainings' iterations so), at `temperatures[adapter]` where given (else `train.temperature`). Needs
     continuous batching. Without it every episode runs under the policy's adapter.
     """
@@ -571,7 +571,7 @@ class AgentRollout:
         return episodes
 
     fold_lora: bool = True
-    """Sample with the adapter being trained folded into the base weights (`routing.compose.merged_adapters`: W + BA,
+    """Sample with the adapter being trained folded into the base weights (`engine.compose.merged_adapters`: W + BA,
     the adapter layers off, the base weights restored bit for bit afterwards) instead of through PEFT's LoRA layers,
     whose ~210 small extra products per decoding step cost ~30% of a step at 16 rows on 2 cores
     (benchmarks/README.md: routed_lora_step, train_step). The trainer turns it off for Unsloth, whose fused LoRA

@@ -13,7 +13,7 @@ training's rollout function hands its iteration's episodes to `LockstepSampler.p
 training has handed its in, one thread plays them all (`grpo.play`) on the sampler's policy: one more copy
 of the base model, which holds every training's LoRA weights (the same tensors, attached under the
 training's name), each episode decoded under its own training's adapter (per-row routes,
-`agent/row_lora.py`). Then the trainings take their updates one after another. A training is expected from
+`engine/row_lora.py`). Then the trainings take their updates one after another. A training is expected from
 its start (once the trainings it waits for are done) to its end. So which episodes share a round depends
 on the schedule alone, not on thread timing, and the same seed gives the same bytes.
 """

@@ -1,6 +1,6 @@
 """Training sources: the environments GRPO draws groups from, as the train and synthesize stages build them.
 
-Reads nothing itself: a synthesized environment is served by its sandbox process (`synth.sandbox`), the target's
+Reads nothing itself: a synthesized environment is served by its sandbox process (`sandbox`), the target's
 tasks come from the rollout stage's task file (`envs.load_tasks`). `synthetic_source` is what a capability adapter
 trains on and what calibration (`training.calibrate`) plays; `target_source` is GRPO on the target.
 """
@@ -13,7 +13,7 @@ from trace_lib.config import Params
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks, task_payload
 from trace_lib.records import Task
-from trace_lib.synth.sandbox import SandboxError, SandboxLimits, SandboxProcess
+from trace_lib.sandbox import SandboxError, SandboxLimits, SandboxProcess
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.hints import hint_from_steps, reference_steps
 

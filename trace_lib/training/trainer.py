@@ -63,7 +63,7 @@ from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as grpo_trainer_module
 
-from trace_lib.agent.threads import restore_threads, set_threads
+from trace_lib.engine.threads import restore_threads, set_threads
 from trace_lib.config import TrainConfig
 from trace_lib.io import (
     atomic_write_text,
@@ -74,7 +74,7 @@ from trace_lib.io import (
 )
 from trace_lib.records import AdapterManifest
 from trace_lib.training import distributed
-from trace_lib.training.budget import RolloutLedger
+from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import (
     AgentRollout,
     TrainSource,
@@ -166,9 +166,9 @@ def stable_target_modules(model: Any) -> None:
 def train_dtype(cfg: TrainConfig) -> str:
     """The base weights' dtype while training (`train.dtype`; 'auto': bfloat16 where it is faster than float32
     on the training device, CUDA or a CPU with AMX or AMD's AVX-512 bf16, else float32:
-    `agent.model.compute_dtype`)."""
-    from trace_lib.agent.model import compute_dtype
-    from trace_lib.agent.policy import resolve_device
+    `engine.model.compute_dtype`)."""
+    from trace_lib.engine.model import compute_dtype
+    from trace_lib.engine.policy import resolve_device
 
     return compute_dtype(cfg.dtype, resolve_device("auto"))
 
@@ -177,7 +177,7 @@ def load_trainable(model_dir: Path, cfg: TrainConfig, backend: str, seed: int, t
     """(Policy over the LoRA-wrapped model, base model id); the adapter is named 'default'."""
     from transformers import set_seed
 
-    from trace_lib.agent.policy import Policy, load_policy, resolve_model_path, use_tool_template
+    from trace_lib.engine.policy import Policy, load_policy, resolve_model_path, use_tool_template
 
     set_seed(seed)  # the LoRA init draws from the global RNG
     if backend == "unsloth":
@@ -331,7 +331,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         import torch
 
         # every log-prob pass (loss, old and reference log-probs) runs at the full thread count: sampling may
-        # have run on fewer (agent/threads.py)
+        # have run on fewer (engine/threads.py)
         restore_threads()
         if not self.shared_prompt or compute_aux_loss or any(v is not None for v in extra.values()):
             return super()._get_per_token_logps_and_entropies(
@@ -567,7 +567,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
                          f"sources {sorted(s.name for s in sources)}")
     teachers_digest = None
     if teachers is not None:  # a checkpoint is only valid for the teachers it was distilled from
-        from trace_lib.agent.adapters import adapter_digest
+        from trace_lib.engine.adapters import adapter_digest
 
         teachers_digest = adapter_digest(teachers, dict.fromkeys(teachers, 1.0))
         resume_key += "|teachers:" + teachers_digest
@@ -616,7 +616,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress, size,
                             DistillGRPOTrainer if teachers is not None else AgentGRPOTrainer)
     if teachers is not None:
-        from trace_lib.agent.policy import load_policy
+        from trace_lib.engine.policy import load_policy
 
         trainer.teachers = load_policy(model_dir, dtype=train_dtype(cfg), tool_format=policy.tool_format,
                                        adapters={k: str(v) for k, v in teachers.items()}, device=str(policy.device))

@@ -14,10 +14,10 @@ The packed copy is used only where no gradient is recorded (`torch.is_grad_enabl
 the router's label logits, the loss pass's no-gradient prompt) and only for bf16 weights and inputs on
 the CPU; anywhere else the layer runs `F.linear` as before. A packed copy is rebuilt when its weight's
 storage or version changes, or after `invalidate()`: writes through `tensor.data` bump no version, so
-code that rewrites weights that way (`routing.compose.merged_adapters`) calls it. PEFT's own `merge`/`unmerge`
+code that rewrites weights that way (`engine.compose.merged_adapters`) calls it. PEFT's own `merge`/`unmerge`
 write through `.data` too; trace never calls them on a packed model, and code that does must call `invalidate()`.
 Whether packed and plain products agree bit for bit depends on the kernels oneDNN picks for the CPU; runs record
-whether packing was available (`agent.model.numerics`, `packed_linears`).
+whether packing was available (`engine.model.numerics`, `packed_linears`).
 """
 
 from __future__ import annotations

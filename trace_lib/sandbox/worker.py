@@ -1,6 +1,6 @@
 """The sandbox worker: imports one synthesized environment module and serves its contract over pipes.
 
-Started only by `trace_lib.synth.sandbox.SandboxProcess` (`python -m trace_lib.synth.worker`), already
+Started only by `trace_lib.sandbox.SandboxProcess` (`python -m trace_lib.sandbox.worker`), already
 under rlimits, in a scratch cwd and, where permitted, an empty network namespace. Reads JSON-line
 requests `{"id", "method", "params"}` on stdin; writes one JSON-line reply per request,
 `{"id", "ok": true, "result"}` or `{"id", "ok": false, "error"}`, on a private copy of the original
@@ -12,7 +12,7 @@ imported the worker
 * fences the host: socket connect/bind and name lookup raise, process creation and killing raise,
   files can be written only under the scratch cwd;
 * executes the module with its own builtins: no `open`/`exec`/`eval`/`compile`, an `__import__`
-  that enforces `trace_lib.synth.sandbox.ALLOWED_IMPORTS`, and `getattr`-style builtins that refuse dunder
+  that enforces `trace_lib.sandbox.ALLOWED_IMPORTS`, and `getattr`-style builtins that refuse dunder
   names (the run-time half of the static check).
 
 Methods: load, meta, tool_schemas, generate_task, init, call_tool, evaluate, solve, drop. A method
@@ -128,7 +128,7 @@ def _scratch_only_mode(io_open, root: str):
 
 def module_builtins() -> dict[str, Any]:
     """The builtins the module's code sees: the real ones minus evaluation, files and introspection."""
-    from trace_lib.synth.sandbox import ALLOWED_DUNDERS, FORBIDDEN_ATTRS, FORBIDDEN_BUILTINS, from_import_allowed, is_dunder
+    from trace_lib.sandbox import ALLOWED_DUNDERS, FORBIDDEN_ATTRS, FORBIDDEN_BUILTINS, from_import_allowed, is_dunder
 
     real_import = builtins.__import__
     real_getattr, real_setattr, real_delattr, real_hasattr = getattr, setattr, delattr, hasattr
@@ -219,7 +219,7 @@ class Worker:
 
     # --- methods -------------------------------------------------------------------------------
     def load(self, path: str, trusted: bool = False) -> dict[str, Any]:
-        from trace_lib.synth.sandbox import check_source
+        from trace_lib.sandbox import check_source
 
         if self.module is not None:
             raise WorkerError("a module is already loaded")
@@ -241,7 +241,7 @@ class Worker:
     def meta(self) -> dict[str, Any]:
         mod = self._mod()
         missing = [n for n in ("CAPABILITY", "TARGET", "DIFFICULTY") if not hasattr(mod, n)]
-        from trace_lib.synth.sandbox import CONTRACT_FUNCTIONS
+        from trace_lib.sandbox import CONTRACT_FUNCTIONS
 
         not_callable = [n for n in CONTRACT_FUNCTIONS if not callable(getattr(mod, n, None))]
         return {"CAPABILITY": getattr(mod, "CAPABILITY", None), "TARGET": getattr(mod, "TARGET", None),

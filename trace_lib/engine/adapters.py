@@ -1,8 +1,8 @@
 """LoRA adapter files: the name of a weighted merge, and a merge as one concatenated adapter.
 
 Reads saved PEFT adapters (`adapter_config.json`, `adapter_model.safetensors`); writes the concatenated
-adapter a server loads to serve an α-weighted route (`agent.remote.OpenAIPolicy.use_route`). No base
-weights are read. The in-process merge is `routing.compose`.
+adapter a server loads to serve an α-weighted route (`engine.remote.OpenAIPolicy.use_route`). No base
+weights are read. The in-process merge is `engine.compose`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The agent's chat format: Hermes-style tool calling on ChatML, rendering and robust parsing.
 
-Reads `trace_lib/agent/templates/tool_chat.jinja`; writes nothing. Implements the policy side of the
+Reads `trace_lib/engine/templates/tool_chat.jinja`; writes nothing. Implements the policy side of the
 paper's agent loop (§2: the tool-calling agent whose trajectories TRACE analyses): how an
 episode's messages become a prompt and how the model's raw text becomes an action.
 
@@ -79,7 +79,7 @@ def tool_chat_template(tool_format: str = "json") -> str:
     (`chat_template_kwargs` on a server) overrides it."""
     if tool_format not in TOOL_FORMATS:
         raise ValueError(f"tool_format: expected one of {list(TOOL_FORMATS)}, got {tool_format!r}")
-    text = resources.files("trace_lib").joinpath("agent/templates/tool_chat.jinja").read_text(encoding="utf-8")
+    text = resources.files("trace_lib").joinpath("engine/templates/tool_chat.jinja").read_text(encoding="utf-8")
     if _FORMAT_DEFAULT not in text:
         raise RuntimeError("tool_chat.jinja no longer sets its tool_format default where chat.py expects it")
     return text.replace(_FORMAT_DEFAULT, _FORMAT_DEFAULT.replace("'json'", repr(tool_format)))
@@ -87,7 +87,7 @@ def tool_chat_template(tool_format: str = "json") -> str:
 
 @dataclass
 class Generation:
-    """One decoded agent turn, whichever backend decoded it (agent/policy.py, agent/remote.py)."""
+    """One decoded agent turn, whichever backend decoded it (engine/policy.py, engine/remote.py)."""
 
     text: str
     """Decoded completion without the stop token."""
@@ -101,7 +101,7 @@ class Generation:
 
 def row_seed(seed: int, row: int) -> int:
     """The sampling seed of row `row` of a call seeded `seed`, whichever backend draws it (a torch
-    generator per row in agent/policy.py, the request's `seed` in agent/remote.py); within int64."""
+    generator per row in engine/policy.py, the request's `seed` in engine/remote.py); within int64."""
     return (seed * 1_000_003 + row) % (2**63)
 
 

@@ -39,7 +39,7 @@ _SHARED: ContextVar[list[tuple[torch.Tensor, torch.Tensor]] | None] = ContextVar
 class RowRoutes:
     """Which route (index into a mixed batch's routes: base model, one adapter or a merge) each row of one
     forward runs under. Read by `cascade_attention` (each route's rows attend to that route's shared prefix)
-    and by `agent.row_lora`'s LoRA layers (each row gets its route's low-rank delta)."""
+    and by `engine.row_lora`'s LoRA layers (each row gets its route's low-rank delta)."""
 
     def __init__(self, routes: list[int], device: torch.device | str = "cpu") -> None:
         self.routes = list(routes)
@@ -65,7 +65,7 @@ class RowRoutes:
         self.prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """Per layer, the shared prefixes of the routes present (picked once for these rows, not every step)."""
         self.memo: dict[Any, Any] = {}
-        """Scratch the routed LoRA layers share while these rows run (`agent.row_lora`)."""
+        """Scratch the routed LoRA layers share while these rows run (`engine.row_lora`)."""
 
 
 _ROWS: ContextVar[RowRoutes | None] = ContextVar("trace_row_routes", default=None)

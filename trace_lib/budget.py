@@ -1,4 +1,5 @@
-"""The rollout-budget ledger: every episode any stage rolls out, counted in one format.
+"""Equal-budget accounting: every episode any stage rolls out, counted in one format, and TRACE's total that the
+baselines are trained to.
 
 Methods are compared at equal rollout budget (paper §4: TRACE, GRPO on the target, merged training
 and the baselines all spend the same number of episodes), so every stage that rolls out (band
@@ -21,7 +22,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_lib.io import atomic_write_text, dumps_json
+from trace_lib.io import atomic_write_text, dumps_json, read_json
+from trace_lib.paths import Paths
+from trace_lib.records import AdapterManifest
 
 
 class RolloutLedger:
@@ -124,3 +127,68 @@ def total_rollouts(paths: Iterable[str | Path], missing_ok: bool = False) -> dic
             by_key[f"{r['stage']}/{r['key']}" if r["key"] else r["stage"]] += int(r["rollouts"])
     return {"total": sum(by_stage.values()), "by_stage": dict(sorted(by_stage.items())),
             "by_key": dict(sorted(by_key.items()))}
+
+
+DISTILLED = "distilled"
+"""The student of cross-skill distillation (train stage, `train.distill`); it lives beside the baselines."""
+BASELINES = ("grpo_target", "grpo_target_late", "merged_data", DISTILLED)
+"""Adapters the evaluate stage looks for under data/adapters/_baselines/ (the distilled student among them:
+one adapter for every task, trained after the capability adapters)."""
+
+
+def adapter_manifest(folder: Path) -> AdapterManifest | None:
+    path = folder / "manifest.json"
+    if not (path.is_file() and (folder / "adapter_config.json").is_file()):
+        return None
+    return AdapterManifest.model_validate(read_json(path))
+
+
+def find_adapters(root: Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(capability adapters, baseline adapters): name -> folder, for folders with a PEFT config and a
+    manifest. Hidden folders (temp, checkpoints) are skipped."""
+    paths = Paths(root)
+    base = paths.adapters
+    caps = {}
+    if base.is_dir():
+        for folder in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+            if adapter_manifest(folder) is not None:
+                caps[folder.name] = folder
+    clash = sorted(set(caps) & set(BASELINES))
+    if clash:
+        raise ValueError(f"capability adapter(s) {clash} use a baseline's name; rename the capability")
+    baselines = {n: paths.adapter(n, True) for n in BASELINES if adapter_manifest(paths.adapter(n, True))}
+    return caps, baselines
+
+
+def adapter_budget(root: Path, name: str, baseline: bool = False) -> tuple[int, str]:
+    """(rollouts an adapter cost, where the number came from: the ledger path or 'manifest')."""
+    ledger = Paths(root).train_ledger(name, baseline)
+    if ledger.is_file():
+        return int(total_rollouts([ledger])["total"]), ledger.relative_to(root).as_posix()
+    manifest = adapter_manifest(Paths(root).adapter(name, baseline))
+    if manifest is None:
+        raise FileNotFoundError(f"no ledger {ledger} and no adapter manifest for {name!r}")
+    return int(manifest.rollouts_used), "manifest"
+
+
+def trace_budget(root: Path, names: list[str], rollout_split: str | None = None) -> dict[str, Any]:
+    """TRACE's rollouts: the base agent's discovery rollouts on the target (`rollout_split`'s
+    trajectories; None: not charged), every capability adapter's training and the synthesize stage's
+    band checks, as the paper's scaling curves charge them.
+
+    This is the budget a baseline (GRPO on the target, merged data, GEPA) is given."""
+    by_adapter = {n: adapter_budget(root, n)[0] for n in names}
+    synth = Paths(root).synth_rollouts
+    band = int(total_rollouts([synth])["total"]) if synth.is_file() else 0
+    discovery = analysis_rollouts(root, rollout_split) if rollout_split is not None else 0
+    return {"total": sum(by_adapter.values()) + band + discovery, "by_adapter": by_adapter, "synthesize": band,
+            "discovery": discovery}
+
+
+def analysis_rollouts(root: Path, split: str) -> int:
+    """Episodes the rollout stage spent on the target's train split (discovery; part of TRACE's budget)."""
+    path = Paths(root).rollouts(split)
+    if not path.is_file():
+        return 0
+    with path.open(encoding="utf-8") as fh:
+        return sum(1 for line in fh if line.strip())

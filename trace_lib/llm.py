@@ -19,7 +19,7 @@ Backends (paper §3.1 uses an analyst LLM; which one is a parameter here):
                 empty reply is retried the same way. A reply with a schema asks for it with
                 `response_format` (`analyst.response_format: json_schema`), and is validated either way.
     local       any HF instruct model folder, run through the project's policy code
-                (`trace_lib.agent.policy`), greedy unless a temperature is given.
+                (`trace_lib.engine.policy`), greedy unless a temperature is given.
     rules       not an LLM: discover/label dispatch to `trace_lib.analyst.detectors` instead. Asking this
                 client for a completion is an error that says so.
 
@@ -454,7 +454,7 @@ class LLMClient:
     def _local(self, system: str, messages: list[dict], max_tokens: int,
                temperature: float) -> tuple[str, int, int, int, int]:
         if self._policy is None:
-            from trace_lib.agent.policy import (
+            from trace_lib.engine.policy import (
                 load_policy,  # heavy (torch); only when a local analyst is used
             )
 

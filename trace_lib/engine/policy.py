@@ -52,14 +52,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
-from trace_lib.agent.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
+from trace_lib.engine.chat import Generation, parse_assistant, render_prompt, row_seed, tool_chat_template
 from trace_lib.io import read_json
-from trace_lib.agent.adapters import canonical_weights, route_label
-from trace_lib.agent.model import compute_dtype
-from trace_lib.agent.packed import install_packed_linears
-from trace_lib.agent.kvcache import (CASCADE, RowRoutes, append_rows, buffered, new_cache, row_routes, select_rows,
+from trace_lib.engine.adapters import canonical_weights, route_label
+from trace_lib.engine.model import compute_dtype
+from trace_lib.engine.packed import install_packed_linears
+from trace_lib.engine.kvcache import (CASCADE, RowRoutes, append_rows, buffered, new_cache, row_routes, select_rows,
                                      shared_prefix, supports_cascade)
-from trace_lib.agent.threads import govern_threads, set_threads
+from trace_lib.engine.threads import govern_threads, set_threads
 from trace_lib.records import Message
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -309,9 +309,9 @@ class Policy:
                 for conv, prompt, toks, why in zip(conversations, prompts, tokens, finish)]
 
     def tool_processor(self, tools: list[dict[str, Any]], rows: int, require_tool_call: bool | list[bool] = False):
-        """The grammar processor (agent/grammar.py) for `rows` turns; `require_tool_call` False leaves the
+        """The grammar processor (engine/grammar.py) for `rows` turns; `require_tool_call` False leaves the
         policy's `grammar_options` default."""
-        from trace_lib.agent.grammar import make_tool_call_processor  # xgrammar is imported only when used
+        from trace_lib.engine.grammar import make_tool_call_processor  # xgrammar is imported only when used
 
         options = dict(self.grammar_options)
         if require_tool_call is not False:  # an explicit per-call choice wins over the default
@@ -404,7 +404,7 @@ class Policy:
         with `generate_ids`.
 
         `routes` ({adapter: α} each; {} the base model) with `row_routes` (per row, an index into them):
-        each row runs under its own route in the same batch (`agent.row_lora`), its episodes' later
+        each row runs under its own route in the same batch (`engine.row_lora`), its episodes' later
         `NextTurn`s naming the new episode's route (a `NextTurn` with a new session and no route keeps the
         row's route). Each route has its own shared prefix and sessions. Without them every row runs under the
         policy's adapter. With routes, `temperature` may be one per route (each above 0): several trainings'
@@ -435,7 +435,7 @@ class Policy:
         starting = [(r, None) for r in range(len(prompts))]  # the processor already has the first rows' grammars
         routed = nullcontext()
         if routes is not None:
-            from trace_lib.agent.row_lora import RoutedLora
+            from trace_lib.engine.row_lora import RoutedLora
 
             run.route_of, run.labels = list(row_routes), _route_labels(routes)
             run.temperatures = [float(t) for t in temperature] if per_route else None
@@ -1011,7 +1011,7 @@ def load_policy(
     present, else the CPU), or any torch device name. `tool_format`: how prompts list the tools
     (chat.TOOL_FORMATS); None: the one the prepared folder's model.json records (`model.tool_format`).
     `packed`: bf16 linear layers on the CPU compute with their weights packed for oneDNN once
-    (agent/packed.py) wherever no gradient is recorded; the same outputs, ~2x faster products at decoding shapes.
+    (engine/packed.py) wherever no gradient is recorded; the same outputs, ~2x faster products at decoding shapes.
     """
     set_threads(threads)
     load, base_id = resolve_model_path(model_dir)

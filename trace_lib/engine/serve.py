@@ -32,7 +32,7 @@ def free_port() -> int:
 
 def chat_template_path() -> Path:
     """trace's chat template file (the one `chat.render_prompt` renders with)."""
-    return Path(str(resources.files("trace_lib").joinpath("agent/templates/tool_chat.jinja")))
+    return Path(str(resources.files("trace_lib").joinpath("engine/templates/tool_chat.jinja")))
 
 
 def vllm_command(python: str, model_dir: str, port: int, *, served_name: str,

@@ -10,7 +10,7 @@ once; `benchmarks/README.md`, linear_dtype.py), so a stage that decodes seven me
 batches pays seven times the steps it needs. PEFT can mix adapters in one batch (`adapter_names`), but it
 loops over the adapters in every LoRA layer (a gather, two products and a scatter per adapter and layer:
 ~5 ops x adapters x 210 layers a step) and cannot give a row a weighted merge. Here every LoRA layer
-computes its adapters' deltas as one concatenated adapter (PEFT's `cat` combination, `agent.adapters`):
+computes its adapters' deltas as one concatenated adapter (PEFT's `cat` combination, `engine.adapters`):
 
     y = W x + B_cat · ((A_cat x) ⊙ s_row),   s_row = α_c · scaling_c on adapter c's rank slice, 0 elsewhere
 
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trace_lib.agent.adapters import active_weights, lora_layers
-from trace_lib.agent.kvcache import RowRoutes, current_row_routes
+from trace_lib.engine.adapters import active_weights, lora_layers
+from trace_lib.engine.kvcache import RowRoutes, current_row_routes
 
 __all__ = ["RoutedLora", "supports_routes"]
 

@@ -8,7 +8,7 @@ One agent turn of one episode is one request: the episode's messages (`chat.mess
 call arguments as JSON strings as the API wants them), the tool schemas, `tool_choice` ("required"
 where the embedded engine would force a tool call), temperature, top_p, `max_tokens` and a per-row
 seed derived as the embedded engine derives it. The server applies the chat template and parses the
-tool calls; for trace's Hermes format that is vLLM's `--chat-template trace_lib/agent/templates/
+tool calls; for trace's Hermes format that is vLLM's `--chat-template trace_lib/engine/templates/
 tool_chat.jinja --tool-call-parser hermes --enable-auto-tool-choice`. Its reply is turned back into
 trace text (each parsed call rendered as a `<tool_call>` block after the content) and read by
 `chat.parse_assistant`, so a turn served remotely becomes the same `Message` record as the same text
@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from trace_lib.agent.chat import (
+from trace_lib.engine.chat import (
     CLOSE_TAG, OPEN_TAG, Generation, message_to_dict, normalize_tools, parse_assistant, row_seed,
 )
 from trace_lib.records import Message
@@ -240,7 +240,7 @@ class OpenAIPolicy:
         anything else the loaded adapters' `cat` adapter (written and loaded the first time; it stays
         registered on the server, which keeps the adapters it holds in memory in an LRU cache).
         Changes which model this policy's later requests name: not for use from several threads."""
-        from trace_lib.agent.adapters import active_weights, merge_label, sole_adapter, write_cat_adapter
+        from trace_lib.engine.adapters import active_weights, merge_label, sole_adapter, write_cat_adapter
 
         active = active_weights(weights)
         prev, prev_shown = self.adapter, self._shown

@@ -2,7 +2,7 @@
 
 Reads the prepared model folder (embedded) or nothing (openai); writes nothing. Both return an object
 with the `Generator` protocol (agent/rollout.py), `set_adapter`, `policy_id` and `device`, which the
-routing (`routing.route`) and composition (`routing.compose.apply_route`) code drive either way.
+routing (`routing.route`) and composition (`engine.compose.apply_route`) code drive either way.
 """
 
 from __future__ import annotations
@@ -25,19 +25,19 @@ def open_policy(params: Params, model_dir: Path, adapters: Mapping[str, str | Pa
                 *, threads: int = 0) -> Any:
     """The policy with `adapters` ({name: adapter folder}) loaded, the base model active.
 
-    embedded: `agent.policy.load_policy` on `model_dir`, the prepared `model.out_dir` (`threads` torch
+    embedded: `engine.policy.load_policy` on `model_dir`, the prepared `model.out_dir` (`threads` torch
     threads; 0 leaves them).
-    openai: `agent.remote.OpenAIPolicy` at `policy.base_url`, each adapter loaded into the server at run
+    openai: `engine.remote.OpenAIPolicy` at `policy.base_url`, each adapter loaded into the server at run
     time from its absolute path (the server must see the same file system and allow run-time loading)."""
     if params.policy.backend == "openai":
-        from trace_lib.agent.remote import OpenAIPolicy
+        from trace_lib.engine.remote import OpenAIPolicy
 
         policy = OpenAIPolicy.from_config(params.policy, default_model=params.model.id,
                                           tool_format=params.model.tool_format)
         for name, folder in sorted((adapters or {}).items()):
             policy.load_adapter(name, str(Path(folder).resolve()))
         return policy
-    from trace_lib.agent.policy import load_policy  # heavy import (torch), kept out of module import time
+    from trace_lib.engine.policy import load_policy  # heavy import (torch), kept out of module import time
 
     check_model_dir(params, model_dir)
     return load_policy(model_dir, dtype=params.model.dtype, device=params.model.device, threads=threads,

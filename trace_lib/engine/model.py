@@ -58,7 +58,7 @@ def load_gguf_tokenizer(gguf: Path | None = None, tool_format: str = "json") -> 
     """The tokenizer stored in the GGUF, with the trace tool-calling chat template (tools in `tool_format`)."""
     from transformers import AutoTokenizer
 
-    from trace_lib.agent.chat import tool_chat_template
+    from trace_lib.engine.chat import tool_chat_template
 
     gguf = gguf or smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -194,16 +194,16 @@ def resolve_model(model_id: str, out_dir: Path, dtype: str = "float32", force: b
 
 def _thread_record() -> dict[str, Any]:
     """torch's thread count (the most decoding uses) and whether the governor was on: decoding may then
-    have run on fewer threads while other processes kept the CPUs busy (agent/threads.py); False where
+    have run on fewer threads while other processes kept the CPUs busy (engine/threads.py); False where
     `threads` fixed the count."""
-    from trace_lib.agent.threads import governor
+    from trace_lib.engine.threads import governor
 
     gov = governor()
     return {"threads": gov.max_threads, "threads_governed": not gov.fixed and gov.max_threads > 1}
 
 
 def _omp_wait_policy() -> str:
-    """How OpenMP threads wait (agent/threads.py): PASSIVE, ACTIVE, 'spin N' or libgomp's 'default'."""
+    """How OpenMP threads wait (engine/threads.py): PASSIVE, ACTIVE, 'spin N' or libgomp's 'default'."""
     if "OMP_WAIT_POLICY" in os.environ:
         return os.environ["OMP_WAIT_POLICY"]
     return f"spin {os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ else "default"
@@ -291,7 +291,7 @@ def numerics(device: Any = None) -> dict[str, Any]:
     """
     import torch
 
-    from trace_lib.agent.packed import packing_available  # here, like torch: this module loads neither at import
+    from trace_lib.engine.packed import packing_available  # here, like torch: this module loads neither at import
 
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_bf16_kernels": has_bf16_kernels(torch.device("cpu")),

@@ -25,8 +25,8 @@ public per-layer `get_delta_weight` (which handles scaling and fan_in_fan_out) a
 `disable_adapter` context, and keeps the restore exact by caching.
 
 A server cannot have its base weights edited per task; there a merge is served as one adapter of
-summed rank, PEFT's `cat` combination computed on the adapters' files (`agent.adapters.cat_adapter`),
-which the server loads by name (`agent.remote.OpenAIPolicy.use_route`).
+summed rank, PEFT's `cat` combination computed on the adapters' files (`engine.adapters.cat_adapter`),
+which the server loads by name (`engine.remote.OpenAIPolicy.use_route`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from trace_lib.agent import packed
-from trace_lib.agent.adapters import active_weights, lora_layers, merge_label, sole_adapter
+from trace_lib.engine import packed
+from trace_lib.engine.adapters import active_weights, lora_layers, merge_label, sole_adapter
 
 __all__ = ["apply_route", "is_merged", "merge_label", "merged_adapters", "use_adapter", "use_weights"]
 
@@ -148,7 +148,7 @@ def apply_route(policy: Any, route: Any) -> Iterator[Any]:
     """Run `policy` as a routing decision says: a `RouteDecision` or an {adapter: α} dict.
 
     Empty -> base model; one adapter at α = 1 -> that adapter (PEFT path); otherwise a merge. A served
-    policy (`agent.remote.OpenAIPolicy`) serves the route itself (`use_route`: a merge is one `cat` adapter).
+    policy (`engine.remote.OpenAIPolicy`) serves the route itself (`use_route`: a merge is one `cat` adapter).
     """
     weights = active_weights(dict(getattr(route, "weights", route)))
     if hasattr(policy, "use_route"):

@@ -12,7 +12,7 @@ also avoids the collapse but costs 20-40% on an idle machine, for every run.
 So decoding keeps torch's thread count while the other processes leave the cores free, and drops to
 as many threads as there are free cores when they do not, re-checked about once a second. The thread
 count does not change a decoded token: the same seed gives the same bytes at 1 and 2 threads (the
-default rollout, `agent.model.numerics`). Only decoding is governed; the GRPO update runs at the
+default rollout, `engine.model.numerics`). Only decoding is governed; the GRPO update runs at the
 configured count (`restore_threads`).
 """
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from trace_lib.agent.chat import normalize_tools
+from trace_lib.engine.chat import normalize_tools
 
 MAX_TEXT_CHARS = 1200
 """Longest plain message a turn may write (kept by `ToolCallLogitsProcessor`)."""

@@ -8,7 +8,7 @@ Two layers:
 * `check_source` (static, in the parent, nothing runs): imports outside `ALLOWED_IMPORTS`, forbidden
   builtins (`open`, `exec`, `eval`, ...), dunder introspection (`__globals__`, `__subclasses__`, ...)
   and missing contract names (see `trace_lib.synth_sdk`) are rejected with a line number each.
-* `SandboxProcess` (dynamic): the module is imported only inside `python -m trace_lib.synth.worker`,
+* `SandboxProcess` (dynamic): the module is imported only inside `python -m trace_lib.sandbox.worker`,
   started in a new session with a scratch cwd, a minimal environment (no API keys, no proxies),
   rlimits on address space, CPU time and file size, its own empty network namespace when `unshare`
   permits it, and a worker that fences the module's builtins and the host's process / network / file
@@ -327,7 +327,7 @@ class SandboxProcess:
         self.nproc_limited = nproc
         """Whether RLIMIT_NPROC forbids forking (never for root, which the kernel exempts)."""
         # -P: the scratch cwd is not put on sys.path, so files written there can never shadow a module
-        cmd = [*prefix, sys.executable, "-P", "-m", "trace_lib.synth.worker"]
+        cmd = [*prefix, sys.executable, "-P", "-m", "trace_lib.sandbox.worker"]
         try:
             self._proc = subprocess.Popen(
                 cmd, cwd=self.scratch, env=child_env(scratch=self.scratch), stdin=subprocess.PIPE,
