@@ -20,6 +20,9 @@ def set_theme() -> None:
 
 
 def save_figure(fig: plt.Figure, path: str | Path, dpi: int = 120) -> Path:
+    """Write `fig` as PNG (no software tag, so equal figures give equal bytes) and close it: a notebook shows the
+    saved file, not the figure a second time."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    plt.close(fig)
     return atomic_write_bytes(path, buf.getvalue())
