@@ -25,6 +25,7 @@ def test_a_notebook_opened_in_notebooks_runs_from_the_root(tmp_path: Path):
 
 
 def test_setup_moves_to_the_root_and_silences_the_notices(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("TQDM_MININTERVAL", raising=False)
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "params.yaml").write_text("seed: 0\n")
     monkeypatch.chdir(tmp_path / "notebooks")
@@ -33,6 +34,9 @@ def test_setup_moves_to_the_root_and_silences_the_notices(tmp_path: Path, monkey
         assert setup_notebook("params.yaml") == tmp_path and Path.cwd() == tmp_path
         warnings.warn("IProgress not found. Please update jupyter and ipywidgets.")
     assert not caught
+    import os
+
+    assert os.environ["TQDM_MININTERVAL"] == "60"  # a saved notebook keeps every refresh of a bar as a line
 
 
 def test_every_stage_notebook_calls_the_setup_first():

@@ -3,7 +3,8 @@
 JupyterLab starts a notebook's kernel in `notebooks/`, while the stages read `params.yaml` and write `data/` from the
 repository root, where papermill runs them. Dependencies print notices that say nothing about the run (tau2's
 "No .env file found", tqdm's "IProgress not found" without ipywidgets, transformers' deprecation warnings and its
-weight-loading bars); they are silenced here, for the notebook's process only.
+weight-loading bars); they are silenced here, for the notebook's process only. A saved notebook keeps every refresh
+of a progress bar as a line, so bars refresh at most once a minute (`PROGRESS_SECONDS`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+
+
+PROGRESS_SECONDS = 60
+"""Least seconds between two refreshes of a progress bar in a notebook (tqdm's `mininterval`, via TQDM_MININTERVAL)."""
 
 
 def project_root(params_path: str | Path, cwd: Path | None = None) -> Path:
@@ -29,6 +34,7 @@ def setup_notebook(params_path: str | Path) -> Path:
     root = project_root(params_path)
     if root != Path.cwd():
         os.chdir(root)
+    os.environ.setdefault("TQDM_MININTERVAL", str(PROGRESS_SECONDS))
     warnings.filterwarnings("ignore", message="IProgress not found")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
     try:
