@@ -178,7 +178,7 @@ def test_stages_read_the_prepared_model_from_the_working_directory():
 
 
 def test_no_dated_measurement_in_the_library():
-    """Dated figures belong in docs/LOG.md and benchmarks/README.md; the library says what a thing is. An ISO
+    """Dated figures belong in docs/LOG.md and the benchmarks README; the library says what a thing is. An ISO
     timestamp (a date followed by 'T', as the phone's worlds use) is data, not a date of a run."""
     dated = re.compile(r"20\d\d-\d\d-\d\d(?!T)")
     found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in sorted(LIB.rglob("*"))

@@ -490,7 +490,7 @@ class TrainConfig(Section):
     turn, tools, opening, steps played by `start_late`). False runs the prompt without gradient, its keys and
     values constants to the agent's tokens: the same log-probs, a cheaper update where prompts are most of
     the tokens, and a gradient that leaves out how the adapter changes the prompt's encoding
-    (benchmarks/README.md: prompt_grad)."""
+    (docs/LOG.md: prompt_grad)."""
     processes: int = Field(1, ge=1)
     """Training processes on this machine (DDP): above 1 the train stage relaunches itself under
     `accelerate launch` (training/distributed.py), each process plays and trains `groups / processes`

@@ -68,7 +68,7 @@ TOOL_FORMATS = ("json", "signature")
 'signature', one line per tool (`name(arg: type, opt?: type): description`) and one per described
 argument, each on one line: the same names, types, enums and descriptions (not those of fields inside nested
 objects) without the schemas' JSON syntax and pydantic titles (the retail target's first prompt: 1,180 tokens
-against 1,833; benchmarks/README.md: tool formats)."""
+against 1,833; docs/LOG.md: tool formats)."""
 _FORMAT_DEFAULT = "{%- set tool_format = tool_format if tool_format is defined else 'json' -%}"
 
 

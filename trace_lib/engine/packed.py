@@ -6,7 +6,7 @@ torch's bf16 `F.linear` on the CPU hands the weight to oneDNN as a plain row-maj
 reorders it into its blocked layout inside every call. At a decoding step's shapes (16 rows, SmolLM2's
 576x576 to 576x1536 projections) that reorder is most of the product's time, so the weights are reordered
 once (`_reorder_linear_weight`, the packing torch's own inductor uses when it freezes a CPU model;
-benchmarks/README.md, "packed weights"). The packed product computes the same kernel on the same blocks, so
+docs/LOG.md, "packed weights"). The packed product computes the same kernel on the same blocks, so
 its outputs are those of `F.linear` (a test checks it). torch.compile would pack the same way but made a
 decoding step slower here (benchmarks/compile_decode.py), so the two oneDNN calls are made directly.
 

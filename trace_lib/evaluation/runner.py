@@ -316,7 +316,7 @@ def interference_matrix(policy: Any, adapters: Sequence[str],
     `together` (greedy decoding and a policy that can, `routes_in_one_batch`): an environment's episodes of the
     base model and of every adapter are decoded in one batch whose rows run under different weights
     (`decode_into_memo`), as the methods' are: weight by weight, each batch would hold one environment's few
-    seeds (benchmarks/README.md, "the evaluate stage"). Rows meet other rows, so in bf16 an episode may round
+    seeds (docs/LOG.md, "the evaluate stage"). Rows meet other rows, so in bf16 an episode may round
     differently from the one decoded weight by weight; in fp32 it is the same."""
     memo: EpisodeMemo | None = {} if together and rollout_cfg.temperature == 0 else None
     if memo is not None:  # decodes nothing where the policy cannot mix weights: then weight by weight below
