@@ -363,7 +363,7 @@ def test_table1_renders_not_run_rows_budget_and_best_single():
     assert (gepa[["y", "x", "overall"]] == "not run").all() and gepa["note"] == f"not run: {RULES_REASON}"
     assert gepa["rollouts"] == "—" and rows.loc["TRACE (top-p)"]["note"].startswith("not run: evaluate.route_mode")
     assert rows.loc["base", "overall"].startswith("50.0 [")
-    assert rows.loc["TRACE (argmax)", "overall"] == "100.0 [100.0, 100.0]"
+    assert rows.loc["TRACE (argmax)", "overall"] == "100.0 [72.2, 100.0] 10/10"  # Wilson: a width at n of n
     assert rows.loc["GRPO on target", "rollouts"] == "660" and rows.loc["GRPO on target", "budget vs TRACE"] == "1.00×"
     assert rows.loc["single: b", "budget vs TRACE"] == "0.52×" and rows.loc["base", "budget vs TRACE"] == "0.00×"
     assert "chosen on this split" in rows.loc["single-capability (best: a)", "note"]

@@ -159,9 +159,13 @@ def ordered_rows(runs: Sequence[MethodRun], order: Sequence[str] = TABLE1_ORDER)
 
 # --- cells -------------------------------------------------------------------------------------------
 def pct_cell(row: dict[str, Any] | None) -> str:
+    """Success %, its 95% Wilson interval and successes/episodes ('25.0 [8.9, 53.2] 3/12'); the Wilson interval
+    keeps a width at 0 or n successes, where the bootstrap's collapses (older rows without it: the bootstrap's)."""
     if not row or not row.get("n"):
         return EMPTY
-    return f"{100 * row['success_rate']:.1f} [{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}]"
+    lo, hi = (row["wilson_low"], row["wilson_high"]) if row.get("wilson_low") is not None else (row["ci_low"], row["ci_high"])
+    count = f" {row['successes']}/{row['n']}" if "successes" in row else ""
+    return f"{100 * row['success_rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]{count}"
 
 
 def diff_cell(vs: dict[str, Any] | None) -> str:

@@ -420,9 +420,9 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
     graded_envs = [name for name in env_names if graded_reward(name)]
     t1 = table1(runs, groups, trace_total, mean_reward=bool(graded_envs))
     caption = (f"Success rate (%) on {', '.join(env_names)} ({cfg.split} split, {len(tasks)} tasks, "
-               f"{cfg.samples_per_task} episode(s) per task, temperature {cfg.temperature:g}) with "
-               f"{cfg.ci_level:.0%} bootstrap intervals over tasks; rollouts = training episodes behind the "
-               f"method (TRACE: {trace_total}).")
+               f"{cfg.samples_per_task} episode(s) per task, temperature {cfg.temperature:g}) with 95% Wilson "
+               f"intervals and successes/episodes; rollouts = training episodes behind the method (TRACE: "
+               f"{trace_total}). The paired tests below use {cfg.ci_level:.0%} bootstrap intervals over tasks.")
     if graded_envs:
         caption += (f" On {', '.join(graded_envs)} an episode succeeds when its score is perfect (1); the mean "
                     "reward is the mean score (the milestone similarity), also over tasks.")
