@@ -13,6 +13,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import nbformat
+import pandas as pd
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
@@ -295,6 +296,19 @@ def test_no_environments_table_without_any_evaluation(tmp_path: Path):
     (tmp_path / "reports" / "tables" / "environments.md").write_text("stale")
     run_report(Params(), tmp_path)
     assert not (tmp_path / "reports" / "tables" / "environments.md").exists()
+
+
+def test_a_run_not_made_yet_is_named_in_the_note_not_given_a_column():
+    from trace_lib.evaluation.tables import EnvBlock
+    from trace_lib.stages.report import environments_markdown
+
+    rows = pd.DataFrame([{"method": "base", "key": "base", "column": "overall", "status": "run", "n": 2,
+                          "successes": 1, "success_rate": 0.5, "ci_low": 0.0, "ci_high": 1.0, "rollouts": 0}])
+    text = environments_markdown([EnvBlock("retail", "this run", rows),
+                                  EnvBlock("phone", "sweeps/phone", None, reason="sweeps/phone: no such folder")])
+    header = next(line for line in text.splitlines() if line.startswith("| method"))
+    assert "phone" not in header and "retail" in header
+    assert "phone: sweeps/phone (not shown: sweeps/phone: no such folder)" in text and "make phone" in text
 
 
 def test_report_environments_are_the_registry_and_a_typo_is_named():

@@ -332,9 +332,11 @@ def environment_blocks(params: Params, root: Path) -> list[EnvBlock]:
 
 
 def environments_markdown(blocks: list[EnvBlock]) -> str:
-    """reports/tables/environments.md: the table, where each block comes from, and the missing ones' reasons."""
+    """reports/tables/environments.md: the table, where each block comes from, and the missing ones' reasons. A run
+    whose folder does not exist yet (e.g. the phone before `make phone`) is named in the note, not given a column."""
     sources = "; ".join(f"{b.env}: {b.source}" + (f" ({b.detail})" if b.detail else "")
                         + (f" (not shown: {b.reason})" if b.rows is None else "") for b in blocks)
+    shown = [b for i, b in enumerate(blocks) if i == 0 or b.rows is not None or not b.reason.endswith("no such folder")]
     note = ("Each block is one run of the pipeline on that environment (its own discovered capabilities, "
             "adapters and evaluation split), read from the run's reports/tables/table1.csv: overall success % "
             "with the run's bootstrap interval over tasks (95% unless its evaluate.ci_level says otherwise) and "
@@ -342,7 +344,7 @@ def environments_markdown(blocks: list[EnvBlock]) -> str:
             "(milestone similarity) follows; rollouts = training episodes behind the method. Runs: " + sources
             + ". Another environment's block comes from `report.environments` in params.yaml (e.g. "
             "`{phone: sweeps/phone}`, which `make phone` fills).")
-    return "# Table 1 across environments\n\n" + note + "\n\n" + markdown(environments_table(blocks))
+    return "# Table 1 across environments\n\n" + note + "\n\n" + markdown(environments_table(shown))
 
 
 def llm_ledgers(params: Params, root: Path) -> list[Path]:
