@@ -78,6 +78,19 @@ def write_run(root: Path, *, trained: bool = True, fixes: bool = True) -> None:
                                                        for i in range(4)])
 
 
+def test_the_record_shows_a_task_its_environment_generates(tmp_path: Path):
+    from trace_lib.config import Params
+    from trace_lib.synth.synthesize import target_spec
+    from trace_lib.synth.templates import render_template_module
+
+    write_run(tmp_path)
+    (Paths(tmp_path).envs / "say_it" / "env.py").write_text(
+        render_template_module("communicate_result", target_spec(Params().env), 0, {"status": 1}))
+    sample = provenance(read_run(tmp_path))[0]["environment"]["sample_task"]
+    assert sample["seed"] == 0 and sample["difficulty"] == 0 and "status of order" in sample["opening"]
+    assert [a["name"] for a in sample["gold_actions"]] == ["get_order_details"] and len(sample["required_outputs"]) == 1
+
+
 def test_changed_tasks_pairs_by_task_and_keeps_to_the_routed_ones():
     base = [episode("a", "x0", "f", False), episode("b", "x1", "f", True), episode("c", "x2", "f", False)]
     other = [episode("d", "x0", "f", True), episode("e", "x1", "f", False), episode("g", "x2", "f", True)]
@@ -96,6 +109,7 @@ def test_a_capability_record_joins_every_link_of_the_chain(tmp_path: Path):
     assert rec["score"]["delta"] == 0.67 and rec["score"]["kept_runs"] == 3 and rec["score"]["delta_ci"] == [0.2, 0.9]
     env = rec["environment"]
     assert env["installed"] and env["sha256"] == "abc" and env["rollouts"] == 48
+    assert env["sample_task"]["error"].startswith("SandboxError")  # the stand-in module is no environment
     assert env["description"].startswith("Synthetic environment for `say_it`")
     adapter = rec["adapter"]
     assert adapter["env_matches"] and adapter["rollouts"] == 96 and [r["success_rate"] for r in adapter["curve"]] == [0.2, 0.3, 0.5]

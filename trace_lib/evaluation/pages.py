@@ -153,6 +153,14 @@ def capability_page(record: Mapping[str, Any], train: Mapping[str, Trajectory],
                             f"<td>{_fmt(a['success'])}</td><td>{_fmt(a['mixed_groups'])}</td>"
                             f"<td>{esc(a['rollouts'])}</td><td>{'yes' if a['in_band'] else 'no'}</td></tr>"
                             for a in attempts) + "</tbody></table>")
+        sample = env.get("sample_task")
+        if sample and "error" in sample:
+            body.append(f'<p class="muted">No sample task: {esc(sample["error"])}</p>')
+        elif sample:
+            calls = "; ".join(f"{a['name']}({json.dumps(a['arguments'], ensure_ascii=False)})" for a in sample["gold_actions"])
+            body.append(f"<p>A task it generates (seed {esc(sample['seed'])}, difficulty {esc(sample['difficulty'])}):"
+                        f"</p><blockquote>user: {esc(sample['opening'])}<br>reference: {esc(calls)}; must say: "
+                        f"{esc(', '.join(sample['required_outputs']) or '—')}</blockquote>")
         if env["description"]:
             body.append(f"<details><summary>what the environment asks (its module's docstring)</summary>"
                         f"<pre>{esc(env['description'])}</pre></details>")

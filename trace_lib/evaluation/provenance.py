@@ -25,11 +25,14 @@ from trace_lib.records import (
     Trajectory,
 )
 from trace_lib.paths import Paths
+from trace_lib.sandbox import SandboxError, SandboxProcess
 
 TRACE_KEYS = ("trace_argmax", "trace_top_p")
 """Evaluation episode files of TRACE itself, the first one present is the one whose routes are read."""
 QUOTE_CHARS = 400
 """Longest quote of an agent turn in a record; the pages show the whole episode."""
+SAMPLE_SEED = 0
+"""Seed of the sample task a capability's record shows from its environment (generated in the sandbox)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class RunRecords:
     envs: list[SyntheticEnvManifest] = field(default_factory=list)
     env_texts: dict[str, str] = field(default_factory=dict)
     """Capability -> the installed module's source ('' where none was installed)."""
+    env_samples: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Capability -> one task its installed environment generates (`sample_task`)."""
     adapters: list[AdapterManifest] = field(default_factory=list)
     curves: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Adapter name -> its train_log.jsonl rows (one per iteration)."""
@@ -60,6 +65,23 @@ def _ledger_sums(path: Path) -> dict[str, int]:
     return out
 
 
+def sample_task(module: Path, difficulty: int) -> dict[str, Any]:
+    """The task `module` generates at `SAMPLE_SEED` and `difficulty`, served from its sandbox: what the user says,
+    what must be said and done; {"error": why} where the module cannot give one."""
+    try:
+        with SandboxProcess(module) as box:
+            task = box.request("generate_task", seed=SAMPLE_SEED, difficulty=difficulty)
+        user = task["user"]
+        return {"seed": SAMPLE_SEED, "difficulty": difficulty, "opening": str(user["reason_for_call"]),
+                "instruction": str(task["instruction"]), "required_outputs": [str(o) for o in task["required_outputs"]],
+                "gold_actions": [{"name": str(a["name"]), "arguments": dict(a.get("arguments", {}))}
+                                 for a in task["gold_actions"]]}
+    except (SandboxError, OSError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    except (KeyError, TypeError, AttributeError) as err:
+        return {"error": f"the module's task lacks a field of the contract ({type(err).__name__}: {err})"}
+
+
 def read_run(root: Path | str) -> RunRecords:
     """The records of the run under `root`; a stage that has not run leaves its fields empty."""
     paths = Paths(root)
@@ -68,10 +90,13 @@ def read_run(root: Path | str) -> RunRecords:
         return read_jsonl(path, model) if path.is_file() else []
 
     envs = records(paths.env_manifests, SyntheticEnvManifest)
-    env_texts = {}
+    env_texts, env_samples = {}, {}
     for m in envs:
         module = Path(root) / m.path
-        env_texts[m.capability_id] = module.read_text(encoding="utf-8") if m.valid and module.is_file() else ""
+        installed = m.valid and module.is_file()
+        env_texts[m.capability_id] = module.read_text(encoding="utf-8") if installed else ""
+        if installed:
+            env_samples[m.capability_id] = sample_task(module, int(m.difficulty.get("value") or 0))
     adapters = records(paths.adapter_manifests, AdapterManifest)
     curves = {}
     for a in adapters:
@@ -83,7 +108,7 @@ def read_run(root: Path | str) -> RunRecords:
                   for p in sorted(paths.eval_trajectories.glob("*.jsonl"))} if paths.eval_trajectories.is_dir() else {}
     return RunRecords(kept=records(paths.kept, Capability), scores=records(paths.scores, CapabilityScore),
                       labels=records(paths.labels, Label), train_episodes=records(paths.rollouts("train"), Trajectory),
-                      envs=envs, env_texts=env_texts, adapters=adapters, curves=curves,
+                      envs=envs, env_texts=env_texts, env_samples=env_samples, adapters=adapters, curves=curves,
                       synth_rollouts=_ledger_sums(paths.synth_rollouts), train_rollouts=train_rollouts,
                       evaluation=evaluation)
 
@@ -166,6 +191,7 @@ def capability_provenance(cap: Capability, run: RunRecords) -> dict[str, Any]:
             "installed": env.valid, "path": env.path if env.valid else None, "sha256": env.sha256 or None,
             "source": env.source, "reason": env.reason, "difficulty": env.difficulty.get("value"),
             "calibration": env.calibration, "description": module_doc(source),
+            "sample_task": run.env_samples.get(cap.id),
             "rollouts": run.synth_rollouts.get(cap.id, 0)},
         "adapter": None if adapter is None else {
             "path": adapter.path, "rollouts_used": adapter.rollouts_used, "iterations": adapter.iterations,
