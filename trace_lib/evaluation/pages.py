@@ -78,11 +78,9 @@ def curve_svg(points: Sequence[tuple[float, float]], width: int = 320, height: i
     lo, hi = min(xs), max(xs)
     span = (hi - lo) or 1
 
-    def at(x: float, y: float) -> str:
-        return f"{30 + (x - lo) / span * (width - 40):.1f},{height - 20 - y * (height - 30):.1f}"
-
-    line = " ".join(at(x, y) for x, y in points)
-    dots = "".join(f'<circle cx="{at(x, y).split(",")[0]}" cy="{at(x, y).split(",")[1]}" r="2.5"/>' for x, y in points)
+    xy = [(30 + (x - lo) / span * (width - 40), height - 20 - y * (height - 30)) for x, y in points]
+    line = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+    dots = "".join(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5"/>' for x, y in xy)
     return (f'<svg width="{width}" height="{height}" role="img" aria-label="on-policy success per iteration">'
             f'<line x1="30" y1="{height - 20}" x2="{width - 10}" y2="{height - 20}" stroke="#999"/>'
             f'<line x1="30" y1="10" x2="30" y2="{height - 20}" stroke="#999"/>'

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trace_lib.budget import total_rollouts
 from trace_lib.io import iter_jsonl, read_jsonl
 from trace_lib.records import (
     AdapterManifest,
@@ -26,6 +27,7 @@ from trace_lib.records import (
 )
 from trace_lib.paths import Paths
 from trace_lib.sandbox import SandboxError, SandboxProcess
+from trace_lib.stats import task_outcomes
 
 TRACE_KEYS = ("trace_argmax", "trace_top_p")
 """Evaluation episode files of TRACE itself, the first one present is the one whose routes are read."""
@@ -58,10 +60,13 @@ class RunRecords:
     """Evaluation key (base, trace_argmax, single_<capability>, ...) -> its episodes."""
 
 
-def _ledger_sums(path: Path) -> dict[str, int]:
+def rollouts_by_key(path: Path) -> dict[str, int]:
+    """Key (capability or adapter) -> rollouts in one ledger (`budget.total_rollouts`), over its stages; {} where
+    the ledger is missing."""
     out: dict[str, int] = {}
-    for row in iter_jsonl(path) if path.is_file() else ():
-        out[str(row.get("key", ""))] = out.get(str(row.get("key", "")), 0) + int(row.get("rollouts", 0))
+    for stage_key, n in total_rollouts([path], missing_ok=True)["by_key"].items():
+        key = stage_key.partition("/")[2]
+        out[key] = out.get(key, 0) + n
     return out
 
 
@@ -102,14 +107,14 @@ def read_run(root: Path | str) -> RunRecords:
     for a in adapters:
         log = Path(root) / a.path / "train_log.jsonl"
         curves[a.capability_id] = list(iter_jsonl(log)) if log.is_file() else []
-    train_rollouts = {a.capability_id: sum(_ledger_sums(paths.train_ledger(a.capability_id)).values())
+    train_rollouts = {a.capability_id: total_rollouts([paths.train_ledger(a.capability_id)], missing_ok=True)["total"]
                       for a in adapters}
     evaluation = {p.stem: read_jsonl(p, Trajectory)
                   for p in sorted(paths.eval_trajectories.glob("*.jsonl"))} if paths.eval_trajectories.is_dir() else {}
     return RunRecords(kept=records(paths.kept, Capability), scores=records(paths.scores, CapabilityScore),
                       labels=records(paths.labels, Label), train_episodes=records(paths.rollouts("train"), Trajectory),
                       envs=envs, env_texts=env_texts, env_samples=env_samples, adapters=adapters, curves=curves,
-                      synth_rollouts=_ledger_sums(paths.synth_rollouts), train_rollouts=train_rollouts,
+                      synth_rollouts=rollouts_by_key(paths.synth_rollouts), train_rollouts=train_rollouts,
                       evaluation=evaluation)
 
 
@@ -139,13 +144,8 @@ def changed_tasks(base: Iterable[Trajectory], other: Iterable[Trajectory],
                   only: set[str] | None = None) -> dict[str, list[str]]:
     """Task ids that `other` solves and `base` fails (fixed) and the reverse (broken), over the tasks both played
     (restricted to `only` when given), sorted. A task with several samples counts as solved when most are."""
-    def solved(episodes: Iterable[Trajectory]) -> dict[str, bool]:
-        by: dict[str, list[bool]] = {}
-        for t in episodes:
-            by.setdefault(t.task_id, []).append(t.success)
-        return {k: sum(v) * 2 > len(v) for k, v in by.items()}
-
-    b, o = solved(base), solved(other)
+    b = {k: v > 0.5 for k, v in task_outcomes(list(base)).items()}
+    o = {k: v > 0.5 for k, v in task_outcomes(list(other)).items()}
     shared = sorted(set(b) & set(o) & (only if only is not None else set(b)))
     return {"fixed": [t for t in shared if o[t] and not b[t]], "broken": [t for t in shared if b[t] and not o[t]]}
 
