@@ -150,3 +150,19 @@ def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
     assert gpu.train.baselines == ["grpo_target", "grpo_target_late", "merged_data"]
     assert gpu.train.iterations * gpu.train.groups * gpu.train.group_size == 640 and gpu.env.tasks_per_family * 7 == 56
     assert "grpo_target" in gpu.evaluate.methods and gpu.train.save_every == 2
+
+
+def test_the_params_check_before_each_stage_ends_in_one_line_naming_the_key(tmp_path, capsys):
+    """Every dvc stage runs `python -m trace_lib.config params.yaml` first: a typo'd key stops it before any
+    work with one line (exit status 2), not a notebook's traceback."""
+    from trace_lib.config import main
+
+    repo = Path(__file__).resolve().parents[1]
+    stage_cmds = [c for c in (repo / "dvc.yaml").read_text().splitlines() if c.strip().startswith("cmd:")]
+    assert stage_cmds and all(c.strip().startswith("cmd: python -m trace_lib.config params.yaml && ") for c in stage_cmds)
+    bad = tmp_path / "params.yaml"
+    bad.write_text("rollout:\n  temperatur: 0.3\n")
+    assert main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ConfigError: {bad}: rollout.temperatur: unknown key (did you mean 'temperature'?)"]
+    assert main([str(repo / "params.yaml")]) == 0

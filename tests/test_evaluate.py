@@ -10,23 +10,19 @@ import torch
 from toy import KVEnv, kv_task
 
 from trace_lib.engine.policy import load_policy
-from trace_lib.config import Params, RolloutConfig
+from trace_lib.config import EvaluateConfig, Params, RolloutConfig
 from trace_lib.evaluation.gepa import RULES_REASON, gepa_status
 from trace_lib.budget import adapter_budget, find_adapters, trace_budget
 from trace_lib.evaluation.runner import (
-    EvaluateConfig,
     decode_into_memo,
     evaluate_policy,
     interference_matrix,
-    oracle_decisions,
-    route_all,
-    route_by,
     route_groups,
-    routing_quality,
-    with_top_p,
 )
+from trace_lib.routing.decide import oracle_decisions, route_all, route_by, routing_quality, with_top_p
 from trace_lib.evaluation.tables import (
     MethodRun,
+    best_single,
     hindsight_route,
     markdown,
     not_run_table,
@@ -390,6 +386,19 @@ def test_table1_renders_not_run_rows_budget_and_best_single():
     assert [r for r in runs if r.key == "base"][0].summary["trace_vs"]["trace"] == "trace_argmax"
 
 
+def test_best_single_is_chosen_on_validation_when_every_single_played_it():
+    runs = _runs()  # on this split a (6/10) beats b (4/10); on validation b wins
+    summarize_runs(runs, n_boot=50, seed=0)
+    runs[5].validation, runs[6].validation = (1, 4), (3, 4)
+    best = best_single(runs)
+    assert best is not None and best.label == "single-capability (best: b)" and best.trajectories is runs[6].trajectories
+    assert best.note == "best of 2 single adapters on the validation split (a 1/4, b 3/4)"
+    runs[5].validation = None  # one single without validation episodes: the split's own choice, said so
+    assert "chosen on this split (no validation split" in best_single(runs).note
+    only = [r for r in runs if r.key != "single_b"]
+    assert best_single(only).note == "the only single adapter: no choice made"
+
+
 def test_hindsight_route_takes_a_solving_route_per_task_and_scores_routers_by_it():
     runs = _runs()  # base 0000011111, single a 1110011111, single b 0000001111
     solvers = route_solvers(runs)
@@ -536,8 +545,11 @@ def test_router_auto_is_chosen_on_the_validation_split(tmp_path, tiny_model_dir,
            "validation_fraction": 0.2}
     params = evaluate_tree(tmp_path, tiny_model_dir, lora_dirs, env=env,
                            evaluate={"interference_seeds": 0, "n_boot": 100, "router": "auto", "knn_k": 1,
-                                     "methods": ["base", "trace"]})
+                                     "methods": ["base", "single", "trace"]})
     metrics = run_evaluate(params, tmp_path, progress=False)
+    singles = {k: v for k, v in metrics["methods"].items() if k.startswith("single_") and k != "single_best"}
+    assert len(singles) == 2 and all(v["validation"][1] == 2 for v in singles.values())  # each on validation too
+    assert metrics["methods"]["single_best"]["note"].startswith("best of 2 single adapters on the validation split")
     routers = metrics["routers"]
     assert {r: routers[r]["validation"]["tasks"] for r in ROUTERS} == dict.fromkeys(ROUTERS, 2)
     assert metrics["router"] == _chosen_router("auto", routers, list(ROUTERS))
@@ -626,7 +638,8 @@ def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     assert list(skipped.columns) == ["method", "reason"] and len(skipped) == len(methods) - len(ran)
     assert skipped.set_index("method").loc["GEPA (system prompt)", "reason"] == RULES_REASON
     table = (tmp_path / "reports" / "tables" / "table1.md").read_text()
-    assert "| method | overall | rollouts | budget vs TRACE | note | order_total | refuse_cancel |" in table
+    assert "| method | overall | rollouts | budget vs TRACE | note |\n" in table  # fits a screen: families below
+    assert "## Per family" in table and "| method | order_total | refuse_cancel |\n" in table
     assert f"not run: {RULES_REASON}" in table
     for name in ("routing.md", "interference.md", "capabilities.md", "table1.csv"):
         assert (tmp_path / "reports" / "tables" / name).is_file()

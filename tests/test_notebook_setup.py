@@ -25,7 +25,8 @@ def test_a_notebook_opened_in_notebooks_runs_from_the_root(tmp_path: Path):
 
 
 def test_setup_moves_to_the_root_and_silences_the_notices(tmp_path: Path, monkeypatch):
-    monkeypatch.delenv("TQDM_MININTERVAL", raising=False)
+    monkeypatch.setenv("TQDM_DISABLE", "")  # so the test's change is undone after it
+    monkeypatch.delenv("TQDM_DISABLE")
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "params.yaml").write_text("seed: 0\n")
     monkeypatch.chdir(tmp_path / "notebooks")
@@ -36,7 +37,23 @@ def test_setup_moves_to_the_root_and_silences_the_notices(tmp_path: Path, monkey
     assert not caught
     import os
 
-    assert os.environ["TQDM_MININTERVAL"] == "60"  # a saved notebook keeps every refresh of a bar as a line
+    assert os.environ["TQDM_DISABLE"] == "1"  # a saved notebook keeps every refresh of a bar as a line
+
+
+def test_with_bars_off_the_episode_loop_prints_one_summary_line(monkeypatch, capsys):
+    from trace_lib.agent.rollout import Progress
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    bar = Progress(3, enabled=True)
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    out = capsys.readouterr()
+    assert out.out.startswith("rollout: 3 episodes in ") and out.out.count("\n") == 1 and "%|" not in out.err
+    silent = Progress(3, enabled=False)
+    silent.update(3)
+    silent.close()
+    assert capsys.readouterr().out == ""
 
 
 def test_every_stage_notebook_calls_the_setup_first():

@@ -6,8 +6,10 @@ own slow test. A second `dvc repro` must do nothing.
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -228,6 +230,37 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
         assert (scratch_repo / f"reports/html/{nb}.html").is_file()
     again = _run([str(BIN / "dvc"), "repro", "report"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
+
+
+PROGRESS_BAR = re.compile(r"\d+%\|[^|\n]*\||\d+/\d+ \[\d+:\d+")
+"""A tqdm line: '40%|████      | 2/5' or '2/5 [00:01<00:02'."""
+
+
+def test_the_reports_first_screen_in_a_browser(scratch_repo: Path, tmp_path: Path):
+    """The report `dvc repro report` wrote, as a reader at 1280 px sees it: a summary that agrees with
+    evaluate.json, Table 1 without horizontal overflow, a caption on every figure; and executed notebook
+    pages without progress bars or repeated warnings."""
+    from browser import browser_check
+
+    from trace_lib.evaluation.tables import findings
+
+    index = scratch_repo / "reports/index.html"
+    if not index.is_file():
+        pytest.skip("needs the report of test_dvc_repro_report_evaluates_scales_and_writes_the_html_index")
+    ev = json.loads((scratch_repo / "reports/metrics/evaluate.json").read_text())
+    seen = browser_check(index, tmp_path, width=1280)
+    assert seen["findings"][-len(findings(ev)):] == findings(ev)
+    assert seen["findings"][0].startswith("Profile cpu: model ")
+    table1 = [t for t in seen["tables"] if t["section"] == "table-table1"]
+    assert table1 and table1[0]["head"][:3] == ["method", "overall", "rollouts"]
+    assert all(t["overflow"] <= 0 for t in table1), table1
+    assert seen["figures"] and all(f["caption"] for f in seen["figures"]), seen["figures"]
+    for page in sorted((scratch_repo / "reports/html").glob("*.html")):
+        text = re.sub(r"<[^>]+>", "\n", html.unescape(page.read_text()))
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        assert not [line for line in lines if PROGRESS_BAR.search(line)], page.name
+        warnings = [line for line in lines if "Warning" in line]
+        assert len(warnings) == len(set(warnings)), (page.name, warnings)
 
 
 def _ledger(root: Path) -> list[dict]:

@@ -183,7 +183,7 @@ def test_the_viewer_holds_every_episode_with_its_filters(tmp_path: Path):
 
 
 def test_the_pages_render_in_chromium(tmp_path: Path):
-    from test_report import browser_check, chromium
+    from browser import browser_check, chromium
 
     from trace_lib.config import Params
     from trace_lib.stages.report import run_report

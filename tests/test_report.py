@@ -8,7 +8,6 @@ import io
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -17,6 +16,7 @@ import pandas as pd
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
+from browser import browser_check, chromium
 from trace_lib.config import Params, load_params
 from trace_lib.evaluation.tables import EnvBlock, environments_table
 from trace_lib.stages.report import (
@@ -323,50 +323,7 @@ def test_report_environments_are_the_registry_and_a_typo_is_named():
         params_from_dict({"report": {"environments": {"phon": "sweeps/phone"}}}, "params.yaml")
 
 
-# --- in a browser ------------------------------------------------------------------------------------
-# The check runs on a throwaway copy next to the page (so relative paths resolve the same), with a script
-# appended that records, at the load event, what the browser made of every image and table. A control
-# image that cannot load proves the check tells loaded from broken.
-CHECK_SCRIPT = """<img id="control" src="figures/does-not-exist.png" alt="control">
-<script>
-window.addEventListener("load", () => {
-  const images = [...document.images].map(i => ({id: i.id, src: i.getAttribute("src").slice(0, 40),
-                                                 loaded: i.complete && i.naturalWidth > 0}));
-  const tables = [...document.querySelectorAll("table")].map(t => ({
-    section: t.closest("section") ? t.closest("section").id : "",
-    head: [...t.rows[0].cells].map(c => c.innerText.trim()), rows: t.rows.length,
-    shown: t.getBoundingClientRect().height > 0}));
-  const fetched = performance.getEntriesByType("resource").map(e => e.name)
-    .filter(n => !n.startsWith("file:") && !n.startsWith("data:"));
-  const out = document.createElement("pre");
-  out.id = "browser-check";
-  out.textContent = JSON.stringify({images, tables, fetched});
-  document.body.appendChild(out);
-});
-</script>
-"""
-
-
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        if found := shutil.which(name):
-            return found
-    pytest.skip("chromium not installed: apt-get install chromium")
-
-
-def browser_check(page: Path, tmp_path: Path) -> dict:
-    """Open a copy of `page` in headless Chromium and return what the check script recorded."""
-    probe = page.with_name(f".check-{page.name}")
-    probe.write_text(page.read_text().replace("</body>", CHECK_SCRIPT + "</body>"))
-    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-           "--disable-background-networking", "--disable-component-update", f"--user-data-dir={tmp_path / 'profile'}",
-           "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    found = re.search(r'<pre id="browser-check">(.*?)</pre>', done.stdout, re.S)
-    assert found, f"no check output from chromium (rc {done.returncode}): {done.stderr[-2000:]}"
-    return json.loads(html.unescape(found[1]))
-
-
+# --- in a browser (tests/browser.py) -----------------------------------------------------------------
 def test_index_renders_in_chromium(tree: Path, tmp_path: Path):
     chromium()
     run_report(load_params(tree / "params.yaml"), tree)
@@ -406,6 +363,29 @@ def test_the_page_opens_with_the_findings_of_the_evaluation(tree: Path):
     assert "<li>Profile cpu: model smollm2-135m on the retail environment" in page
     assert "The paper&#x27;s setting: Qwen3-30B-A3B" in page and "<td>47.0</td>" in page
     assert "<code>make phone</code>" in page
+
+
+def test_the_page_says_when_each_stage_ran_and_for_how_long(tree: Path):
+    """The executed notebooks' papermill metadata gives the run's date and each stage's wall time; a notebook
+    run by hand (no such metadata) is left out, and so is the report's own."""
+    from trace_lib.stages.report import duration_text, stage_times
+
+    for name, start, seconds in (("00_alpha", "2026-12-03T21:40:01.5+00:00", 12.4),
+                                 ("01_beta", "2026-12-03T21:41:00+00:00", 185.0),
+                                 ("08_report", "2026-12-03T22:00:00+00:00", 9.0)):
+        path = tree / "reports" / "notebooks" / f"{name}.ipynb"
+        nb = nbformat.read(path, as_version=4)
+        nb.metadata["papermill"] = {"start_time": start, "duration": seconds}
+        nbformat.write(nb, path)
+    nbformat.write(fake_notebook("02 · Hand", png_bytes("red")), tree / "reports" / "notebooks" / "02_hand.ipynb")
+    assert [t.name for t in stage_times(tree / "reports" / "notebooks")] == ["00_alpha", "01_beta"]
+    assert [duration_text(x) for x in (12.4, 185, 3725)] == ["12 s", "3 min 5 s", "1 h 2 min"]
+    (tree / "reports" / "metrics" / "evaluate.json").write_text(json.dumps({"methods": {}}))
+    run_report(load_params(tree / "params.yaml"), tree)
+    page = (tree / "reports" / "index.html").read_text()
+    assert ("<li>Stages started between 2026-12-03 21:40 and 2026-12-03 21:41 UTC; wall time 3 min 17 s in all: "
+            "alpha 12 s, beta 3 min 5 s (a stage DVC found up to date keeps the time of the run that made its "
+            "outputs).</li>") in page
 
 
 def test_the_llm_cost_table_lists_every_call_of_the_run(tmp_path: Path):

@@ -851,3 +851,22 @@ def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | No
             raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
         data = apply_overrides(data, overrides)
     return params_from_dict(data, str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trace_lib.config [params.yaml]`: check a params file before any stage's work; a bad key
+    ends in one line naming it (exit status 2), so under `dvc repro` the error is not buried in a notebook's
+    traceback. Profile warnings print as they would in the stage."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        load_params(args[0] if args else "params.yaml")
+    except ConfigError as err:
+        print(f"ConfigError: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

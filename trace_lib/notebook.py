@@ -4,7 +4,8 @@ JupyterLab starts a notebook's kernel in `notebooks/`, while the stages read `pa
 repository root, where papermill runs them. Dependencies print notices that say nothing about the run (tau2's
 "No .env file found", tqdm's "IProgress not found" without ipywidgets, transformers' deprecation warnings and its
 weight-loading bars); they are silenced here, for the notebook's process only. A saved notebook keeps every refresh
-of a progress bar as a line, so bars refresh at most once a minute (`PROGRESS_SECONDS`).
+of a progress bar as a line, so tqdm's bars are off (`TQDM_DISABLE`) and the episode loop prints one summary line
+per batch instead.
 """
 
 from __future__ import annotations
@@ -12,10 +13,6 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-
-
-PROGRESS_SECONDS = 60
-"""Least seconds between two refreshes of a progress bar in a notebook (tqdm's `mininterval`, via TQDM_MININTERVAL)."""
 
 
 def project_root(params_path: str | Path, cwd: Path | None = None) -> Path:
@@ -34,7 +31,7 @@ def setup_notebook(params_path: str | Path) -> Path:
     root = project_root(params_path)
     if root != Path.cwd():
         os.chdir(root)
-    os.environ.setdefault("TQDM_MININTERVAL", str(PROGRESS_SECONDS))
+    os.environ.setdefault("TQDM_DISABLE", "1")  # every tqdm bar; `agent.rollout.Progress` prints a line instead
     warnings.filterwarnings("ignore", message="IProgress not found")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
     try:

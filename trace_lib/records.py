@@ -224,6 +224,8 @@ class ValidationReport(BaseModel):
 
 RouteMode = Literal["argmax", "top_p"]
 RouterName = Literal["logits", "calibrated", "knn"]
+NONE_ROUTE = "none"
+"""The route to the base model alone: no adapter (the router's option, the oracle's and the tables')."""
 
 
 class RouteDecision(BaseModel):

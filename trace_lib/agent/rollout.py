@@ -14,6 +14,7 @@ trace's own engine (`rollout.continuous_batching`) that happens as each turn end
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -72,6 +73,33 @@ class RolloutTiming:
         return self.completion_tokens / self.generate_seconds if self.generate_seconds else 0.0
 
 
+
+
+class Progress:
+    """Episodes done: tqdm's bar, or, with tqdm's bars off by environment (`TQDM_DISABLE`, as the stage notebooks
+    set it), one summary line when closed."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        quiet = os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true")
+        self.summary = enabled and quiet
+        self.bar = tqdm(total=total, desc="rollout", unit="episode", disable=not enabled or quiet)
+        self.done = 0
+        self.started = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.summary:
+            print(f"rollout: {self.done} episodes in {time.perf_counter() - self.started:.0f} s", flush=True)
+
+def close_progress(bar: Any) -> None:
+    bar.close()
+    if bar.summary:
+        print(f"rollout: {bar.n} episodes in {time.perf_counter() - bar.started:.0f} s", flush=True)
+
 def episode_queue(tasks: Sequence[Task], samples_per_task: int) -> list[tuple[Task, int]]:
     """Every (task, sample index) pair in a fixed order."""
     return [(task, s) for task in tasks for s in range(samples_per_task)]
@@ -107,7 +135,7 @@ def collect_rollouts(
     done: list[Trajectory] = []
     timing = RolloutTiming(episodes=len(queue))
     t0 = time.perf_counter()
-    bar = tqdm(total=len(queue), desc="rollout", unit="episode", disable=not progress)
+    bar = Progress(len(queue), progress)
     call = 0
     keeps_kv = hasattr(policy, "end_sessions")  # the embedded engine keeps each episode's KV across turns
     if cfg.continuous_batching and getattr(policy, "plays_turns", False):
@@ -190,7 +218,7 @@ def collect_routed_rollouts(
     done_routes: list[int] = []
     timing = RolloutTiming(episodes=len(queue))
     t0 = time.perf_counter()
-    bar = tqdm(total=len(queue), desc="rollout", unit="episode", disable=not progress)
+    bar = Progress(len(queue), progress)
     if queue:
         ids = [policy.base_id if lab is None else f"{policy.base_id}+{lab}" for lab in labels]
         _play_continuously(policy, env_factory, queue, cfg, seed, None, done, timing, bar,

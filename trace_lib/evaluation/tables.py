@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from trace_lib.records import EvalResult, Task, Trajectory
+from trace_lib.records import NONE_ROUTE, EvalResult, Task, Trajectory
 from trace_lib.stats import compare, group_rows, rate_row, task_outcomes
 
 TABLE1_ORDER = ("base", "grpo_target", "grpo_target_late", "gepa", "merged_data", "linear_merge", "single_best",
@@ -47,6 +47,8 @@ class MethodRun:
     note: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
     """Filled by `summarize_runs`: overall, groups, vs_base."""
+    validation: tuple[int, int] | None = None
+    """(successes, episodes) on the validation split, where it was played: how `best_single` chooses."""
 
     @property
     def ran(self) -> bool:
@@ -82,20 +84,26 @@ def summarize_runs(runs: Sequence[MethodRun], n_boot: int = 2000, level: float =
 
 
 def best_single(runs: Sequence[MethodRun]) -> MethodRun | None:
-    """The single-capability run with the highest overall success (ties: name order), as a new row.
-
-    Picked on the evaluation split itself, which favours this baseline (an optimistic oracle choice)."""
-    singles = [r for r in runs if r.method == "single" and r.ran and r.summary]
+    """The single-capability run chosen as the best, as a new row: the only one; else the most successes on
+    the validation split (ties: name order) when every single run played it; else, without a validation
+    split, the highest success on the evaluation split itself (an optimistic choice, and the note says so)."""
+    singles = sorted((r for r in runs if r.method == "single" and r.ran and r.summary), key=lambda r: r.key)
     if not singles:
         return None
-    best = max(sorted(singles, key=lambda r: r.key), key=lambda r: r.summary["overall"]["success_rate"])
+    if len(singles) == 1:
+        best, note = singles[0], "the only single adapter: no choice made"
+    elif all(r.validation is not None for r in singles):
+        best = max(singles, key=lambda r: r.validation[0] / max(r.validation[1], 1))  # type: ignore[index]
+        note = (f"best of {len(singles)} single adapters on the validation split ("
+                + ", ".join(f"{r.key.removeprefix('single_')} {r.validation[0]}/{r.validation[1]}"  # type: ignore[index]
+                            for r in singles) + ")")
+    else:
+        best = max(singles, key=lambda r: r.summary["overall"]["success_rate"])
+        note = (f"best of {len(singles)} single adapters, chosen on this split (no validation split: an "
+                "optimistic choice)")
     return MethodRun("single", "single_best", f"single-capability (best: {best.key.removeprefix('single_')})",
-                     best.trajectories, budget=best.budget, budget_source=best.budget_source,
-                     note=f"best of {len(singles)} single adapters, chosen on this split", summary=best.summary)
-
-
-NONE_ROUTE = "none"
-"""The base model's route: no adapter."""
+                     best.trajectories, budget=best.budget, budget_source=best.budget_source, note=note,
+                     summary=best.summary)
 
 
 def _route_runs(runs: Sequence[MethodRun]) -> list[tuple[str, MethodRun]]:

@@ -44,6 +44,7 @@ from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_message
 from trace_lib.capabilities import ORACLE_PRIORITY
 from trace_lib.records import (
+    NONE_ROUTE,
     Capability,
     Message,
     RouteDecision,
@@ -55,7 +56,6 @@ from trace_lib.engine.compose import is_merged
 
 ANSWER_PREFIX = "Answer:"
 """Pre-filled at the start of the assistant turn; the next token is the label."""
-NONE_NAME = "none"
 
 # --- records ------------------------------------------------------------------------------------
 class RouteCandidate(BaseModel):
@@ -136,7 +136,7 @@ def route_prompt(opening: str, candidates: Sequence[RouteCandidate], task_chars:
     """The routing question as chat messages (one user turn; see `render_route_prompt`)."""
     labels = route_labels(len(candidates))
     options = [_option(lab, c) for lab, c in zip(labels, candidates)]
-    options.append(f"{labels[-1].strip()}. {NONE_NAME}: the general agent, no specialist skill.")
+    options.append(f"{labels[-1].strip()}. {NONE_ROUTE}: the general agent, no specialist skill.")
     text = load_prompt(
         "route.md", options="\n\n".join(options), task=_clip(opening, task_chars),
         letters=", ".join(lab.strip() for lab in labels), none_label=labels[-1].strip(),

@@ -56,7 +56,7 @@ from trace_lib.engine.backends import open_policy
 from trace_lib.engine.model import numerics
 from trace_lib.llm import analyst_client
 from trace_lib.analyst.score import label_trajectories
-from trace_lib.config import EnvConfig, EvaluateConfig, Params
+from trace_lib.config import EnvConfig, EvaluateConfig, Params, RolloutConfig
 from trace_lib.envs import graded_reward, load_tasks, make_env, make_tasks, task_split
 from trace_lib.envs.base import Environment
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks
@@ -72,11 +72,6 @@ from trace_lib.evaluation.runner import (
     eval_targets,
     evaluate_policy,
     interference_matrix,
-    oracle_decisions,
-    route_by,
-    routing_quality,
-    task_openings,
-    with_top_p,
 )
 from trace_lib.evaluation.tables import (
     TABLE1_ORDER,
@@ -107,6 +102,7 @@ from trace_lib.plots.evaluate import (
     success_by_method,
 )
 from trace_lib.records import Capability, Label, RouterName, Task, Trajectory
+from trace_lib.routing.decide import oracle_decisions, route_by, routing_quality, task_openings, with_top_p
 from trace_lib.routing.route import (
     RetrievalIndex,
     RouteCandidate,
@@ -261,6 +257,11 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         for method, key, label, reason, routing_for, budget_n, source, prompts in specs:
             trajs = run(routing_for, prompts) if reason is None else None
             runs.append(MethodRun(method, key, label, trajs, reason or "", budget_n, source))
+        singles = [r for r in runs if r.method == "single" and r.ran]
+        if len(singles) > 1 and params.env.validation_fraction:  # the best single adapter, chosen on validation
+            played = _singles_on_validation(policy, params, [r.key.removeprefix("single_") for r in singles], rcfg)
+            for r in singles:
+                r.validation = played[r.key.removeprefix("single_")]
         bound = hindsight_route(runs, budget["total"])  # what a perfect argmax router could solve
         runs += [bound] if bound is not None else []
         solvers = route_solvers(runs) if bound is not None else None
@@ -379,6 +380,17 @@ def _validation_routing(policy: Any, params: Params, root: Path, names: list[str
     return {r: routing_quality(routed[r], tasks, names, rc.seed, solved, oracle=oracle) for r in scored}
 
 
+def _singles_on_validation(policy: Any, params: Params, names: Sequence[str],
+                           rcfg: RolloutConfig) -> dict[str, tuple[int, int]]:
+    """Each adapter alone on every validation task (the evaluation's settings): (successes, episodes)."""
+    tasks = make_tasks(params.env, "validation")
+    out = {}
+    for name in names:
+        trajs = evaluate_policy(policy, tasks, lambda: make_env(params.env), rcfg, params.evaluate.seed, name)
+        out[name] = (sum(t.success for t in trajs), len(trajs))
+    return out
+
+
 def _chosen_router(router: str, routers: Mapping[str, Mapping[str, Any]], scored: Sequence[str]) -> str:
     """`router`, or for 'auto' the scored router with the highest validation accuracy (ties: `ROUTERS`' order)."""
     if router != "auto":
@@ -432,7 +444,11 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
               + " against each method, on the same tasks: difference in points with its "
               f"{cfg.ci_level:.0%} bootstrap interval over tasks, exact McNemar p over (task, sample) pairs.\n\n"
               + markdown(paired_table(runs)))
-    atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption + markdown(t1) + paired)
+    detail = [c for c in t1.columns if c in groups]  # per family in a second table, so the first fits a screen
+    per_group = ("\n## Per family\n\nThe same episodes per task family (success %, 95% Wilson interval, "
+                 "successes/episodes).\n\n" + markdown(t1[["method", *detail]])) if detail else ""
+    atomic_write_text(paths.table("table1"), "# Table 1\n\n" + caption
+                      + markdown(t1[[c for c in t1.columns if c not in detail]]) + per_group + paired)
     atomic_write_text(paths.table("table1", ".csv"), table1_long(runs, groups).to_csv(index=False))
     atomic_write_text(paths.table("routing"), "# Routing vs merging\n\n" + markdown(routing_table(runs, trace_total))
                       + "\n## Router vs oracle and random routing\n\n"
@@ -462,7 +478,8 @@ def _write_reports(runs: list[MethodRun], targets: Sequence[tuple[Any, Sequence[
     metrics: dict[str, Any] = {
         "split": cfg.split, "envs": env_names, "graded_envs": graded_envs, "tasks": len(tasks), "trace_budget": budget,
         "methods": {r.key: {"label": r.label, "status": "run" if r.ran else "not run", "reason": r.reason,
-                            "rollouts": r.budget, "budget_source": r.budget_source,
+                            "rollouts": r.budget, "budget_source": r.budget_source, "note": r.note,
+                            **({"validation": list(r.validation)} if r.validation else {}),
                             **({"overall": r.summary["overall"], "vs_base": r.summary.get("vs_base"),
                                  "trace_vs": r.summary.get("trace_vs")} if r.ran else {})}
                     for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route", "hindsight_route"))},

@@ -28,7 +28,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import jinja2
@@ -185,8 +185,51 @@ NEXT_STEPS = (
 """What a reader can run next, each with its command (docs/scale.md has the rest)."""
 
 
-def what_ran(resolved: dict[str, Any] | None, metrics: dict[str, Any]) -> list[str]:
-    """What ran, in sentences computed from the resolved params and the evaluation's metrics."""
+class StageTime(NamedTuple):
+    """When a stage's notebook ran under papermill, from the executed notebook's own metadata."""
+
+    name: str
+    start: str
+    """ISO 8601 start time, UTC."""
+    seconds: float
+
+
+def stage_times(src: Path, exclude: tuple[str, ...] = (SELF,)) -> list[StageTime]:
+    """Every executed notebook's start and wall time (papermill's metadata), by name; notebooks without
+    that metadata (run by hand) are left out."""
+    out = []
+    for path in sorted(src.glob("*.ipynb")):
+        if path.stem in exclude:
+            continue
+        meta = nbformat.read(path, as_version=4).metadata.get("papermill", {})
+        if meta.get("start_time") and isinstance(meta.get("duration"), (int, float)):
+            out.append(StageTime(path.stem, str(meta["start_time"]), float(meta["duration"])))
+    return out
+
+
+def duration_text(seconds: float) -> str:
+    """'42 s', '3 min 5 s' or '1 h 2 min'."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def times_line(times: list[StageTime]) -> str:
+    """One sentence: when the stages ran and each one's wall time."""
+    starts = sorted(t.start[:16].replace("T", " ") for t in times)
+    when = starts[0] if len(starts) == 1 else f"between {starts[0]} and {starts[-1]}"
+    return (f"Stages started {when} UTC; wall time {duration_text(sum(t.seconds for t in times))} in all: "
+            + ", ".join(f"{t.name.split('_', 1)[-1]} {duration_text(t.seconds)}" for t in times)
+            + " (a stage DVC found up to date keeps the time of the run that made its outputs).")
+
+
+def what_ran(resolved: dict[str, Any] | None, metrics: dict[str, Any],
+             times: list[StageTime] | None = None) -> list[str]:
+    """What ran, in sentences computed from the resolved params, the evaluation's metrics and the executed
+    notebooks' times."""
     if not resolved:
         return []
     env, ev = resolved.get("env", {}), metrics.get("evaluate", {})
@@ -196,6 +239,8 @@ def what_ran(resolved: dict[str, Any] | None, metrics: dict[str, Any]) -> list[s
         out.append(f"Evaluated on the {ev.get('split')} split: {ev.get('tasks')} tasks, greedy; TRACE's rollout "
                    f"budget {ev.get('trace_budget')} (discovery and calibration included), the baselines trained "
                    "to the same total.")
+    if times:
+        out.append(times_line(times))
     return out
 
 
@@ -219,7 +264,7 @@ def metrics_html(name: str, data: Any) -> str:
 def render_index(*, params_text: str, resolved: dict | None, profile: str, overrides: dict, digest: str | None,
                  commit: str | None, notebooks: list[tuple[str, str]], tables: dict[str, str],
                  metrics: dict[str, Any], figures: list[str], self_name: str = SELF,
-                 capabilities: str = "") -> str:
+                 capabilities: str = "", times: list[StageTime] | None = None) -> str:
     """The index page from already-read inputs (pure: equal inputs give equal bytes)."""
     esc = html.escape
     nb_items = "".join(f'<li><a href="html/{quote(n)}.html">{esc(n)}</a>{" — " + esc(t) if t else ""}</li>'
@@ -240,11 +285,12 @@ def render_index(*, params_text: str, resolved: dict | None, profile: str, overr
         "<p>The method: TRACE, capability-targeted agentic training (Kang et al., arXiv 2604.05336).</p>",
         "<p>" + " · ".join(f'<a href="#{key}">{key}</a>' for key, shown in nav if shown) + "</p>",
     ]
-    ran = what_ran(resolved, metrics)
+    ran = what_ran(resolved, metrics, times)
     if found or ran:
         parts += ['<h2 id="findings">Findings</h2>' if found else '<h2 id="run">This run</h2>',
                   "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in ran + found) + "</ul>",
-                  '<p class="src">computed from params.yaml and reports/metrics/evaluate.json</p>',
+                  '<p class="src">computed from params.yaml, reports/metrics/evaluate.json and the executed '
+                  "notebooks' papermill metadata</p>",
                   "<details><summary>The paper's Table 1, for its setting (not this run's)</summary>"
                   f"{markdown_html(PAPER_TABLE1)}<p class=\"src\">{esc(PAPER_SETTING)}</p></details>"
                   if found else "",
@@ -414,7 +460,8 @@ def run_report(params: Params, root: Path = Path("."), *, params_path: str | Pat
     page = render_index(params_text=params_text, resolved=params.model_dump(mode="json"), profile=params.profile,
                         overrides=overrides or {}, digest=lock_digest(paths.lock), commit=git_commit(root),
                         notebooks=notebooks, tables=tables, metrics=metrics, figures=figures, self_name=self_name,
-                        capabilities=capability_links(records))
+                        capabilities=capability_links(records),
+                        times=stage_times(paths.notebooks, exclude=(self_name,)))
     atomic_write_text(paths.index, page)
     summary = {"notebooks": len(notebooks), "exported": [n for n, _ in notebooks], "tables": len(tables),
                "metrics_files": len(metrics), "figures": len(figures), "capability_pages": len(records)}
