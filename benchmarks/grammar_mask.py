@@ -7,7 +7,7 @@ Two ways to keep an agent's plain message to at most `max_text_chars` characters
     processor  the rule unbounded, `[^<]*`, and `ToolCallLogitsProcessor` forbidding the tokens that would
                take a message row past the bound (the module now)
 
-Both allow the same tokens at every step (`tests/test_grammar.py` compares the masks), so the same seeds decode
+Both allow the same tokens at every step (`tests/engine/test_grammar.py` compares the masks), so the same seeds decode
 the same tokens. Part 1 times xgrammar's mask (`fill_next_token_bitmask`) along one fixed message and one fixed
 tool call, per step. Part 2 runs the rollout stage's work (the train split, the params' decoding) both ways in one
 process, alternating on repeats, and checks that the episodes are the same.

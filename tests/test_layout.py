@@ -185,3 +185,12 @@ def test_no_dated_measurement_in_the_library():
              if path.suffix in (".py", ".md") for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
              if dated.search(line)]
     assert not found, "dates in trace_lib (move the measurement to docs/LOG.md):\n" + "\n".join(found)
+
+
+def test_tests_mirror_the_library():
+    """A module's tests lie in the folder of its package (`tests/engine/` for `trace_lib/engine/`), those of the
+    top-level modules in `tests/`, and whole-pipeline runs in `tests/e2e/`."""
+    tests = Path(__file__).resolve().parent
+    packages = {p.parent.name for p in (tests.parent / "trace_lib").glob("*/__init__.py")}
+    folders = {p.parent.name for p in tests.glob("*/test_*.py")}
+    assert folders <= packages | {"e2e"}, folders - packages

@@ -22,7 +22,7 @@ from trace_lib.synth.synthesize import (
     valid_envs,
 )
 
-FIXTURES = Path(__file__).parent / "synth_fixtures"
+FIXTURES = Path(__file__).parents[1] / "synth_fixtures"
 GOOD = (FIXTURES / "good_lookup.py").read_text()
 
 

@@ -33,7 +33,7 @@ from test_pipeline_e2e import make_scratch_repo, rules_params
 
 from trace_lib.training.lockstep import resume_points
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 UP_TO_DATE = "Data and pipelines are up to date."
 

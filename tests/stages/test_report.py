@@ -30,7 +30,7 @@ from trace_lib.stages.report import (
     table_order,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TABLE1 = "# Table 1\n\nSuccess rate (%).\n\n| method | retail |\n| --- | --- |\n| base | 24.0 |\n| TRACE | 44.0 |\n"
 ROUTING = "# Routing vs merging\n\n| mode | success |\n| --- | --- |\n| argmax | 0.5 |\n"
 EXTRA = "# Extra\n\n| a \\| b | c |\n| --- | --- |\n| 1 | — |\n"

@@ -32,7 +32,7 @@ from test_pipeline_e2e import make_scratch_repo, rules_params
 
 from trace_lib.paths import STAGES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COVERED = STAGES[: STAGES.index("evaluate") + 1]
 _WALL_TIME_KEYS = {"timing", "seconds"}

@@ -27,7 +27,7 @@ from trace_lib.sandbox import (
     nproc_limit_works,
 )
 
-FIXTURES = Path(__file__).parent / "synth_fixtures"
+FIXTURES = Path(__file__).parents[1] / "synth_fixtures"
 PROBE = FIXTURES / "probe_host.py"
 
 

@@ -18,7 +18,7 @@ from test_detectors import play_retail, retail_tasks
 
 from trace_lib.io import write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIGURES = ("score_error_rates.png", "score_delta_coverage.png", "score_stability.png")
 PARAMS = {"env": {"families": [], "tasks_per_family": 2}, "analyst": {"backend": "rules"},
           "discover": {"batch_size": 8}, "score": {"n_boot": 200}}

@@ -899,7 +899,7 @@ def test_the_shared_prompt_pass_scores_at_the_sampling_temperature_as_trls_own(t
 
 def test_prompt_grad_false_reaches_the_loss_pass(tiny_model_dir, tmp_path, monkeypatch):
     """`train.prompt_grad: false` is what the trainer's loss pass runs with (its effect on the gradient:
-    tests/test_shared_prompt.py)."""
+    tests/training/test_shared_prompt.py)."""
     import trace_lib.training.trainer as train_mod
 
     seen: list = []

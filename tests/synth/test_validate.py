@@ -30,7 +30,7 @@ from trace_lib.records import Message, ToolCall, ValidationReport
 from trace_lib.sandbox import SandboxError, SandboxProcess, limits_from_config
 from trace_lib.synth.validate import action_message, first_difference, validate_env
 
-FIXTURES = Path(__file__).parent / "synth_fixtures"
+FIXTURES = Path(__file__).parents[1] / "synth_fixtures"
 TARGET = EnvConfig(name="retail", tools="core")
 CFG = ValidationConfig(n_seeds=4, timeout_s=20)
 CHECKS = ["static", "loads", "contract", "interface", "deterministic", "diverse", "task_schema",
