@@ -29,6 +29,7 @@ from trace_lib.evaluation.tables import (
     paired_table,
     route_solvers,
     routing_table,
+    success_interval,
     summarize_runs,
     table1,
     table1_long,
@@ -384,6 +385,39 @@ def test_table1_renders_not_run_rows_budget_and_best_single():
     assert paired.loc["TRACE (argmax)", "TRACE − method (pp)"] == "—"  # not compared with itself
     assert paired.loc["TRACE (argmax)", "method − base (pp)"] == routing.loc["TRACE (argmax)", "Δ vs base (pp)"]
     assert [r for r in runs if r.key == "base"][0].summary["trace_vs"]["trace"] == "trace_argmax"
+
+
+def test_every_table_and_figure_shows_a_success_rate_with_its_wilson_interval(tmp_path: Path):
+    """Table 1, the per-environment table, the scaling table and both figures draw the same interval."""
+    import pandas as pd
+
+    from trace_lib.evaluation.scaling import pct
+    from trace_lib.evaluation.tables import EnvBlock, env_block_cells
+    from trace_lib.plots.evaluate import scaling_curve, success_by_method
+
+    runs = _runs()
+    summarize_runs(runs, n_boot=200, seed=0)
+    trace = next(r for r in runs if r.key == "trace_argmax").summary["overall"]
+    assert (trace["ci_low"], trace["ci_high"]) == (1.0, 1.0)  # the bootstrap's collapses at 10 of 10
+    lo, hi = success_interval(trace)
+    assert (round(100 * lo, 1), hi) == (72.2, pytest.approx(1.0))
+    assert success_interval({"ci_low": 0.1, "ci_high": 0.3}) == (0.1, 0.3)  # rows written without Wilson's
+    assert success_interval({"ci_low": 0.1, "ci_high": 0.3, "wilson_low": None, "wilson_high": None}) == (0.1, 0.3)
+
+    path = tmp_path / "table1.csv"
+    table1_long(runs, ["y", "x"]).to_csv(path, index=False)
+    rate, _, rollouts = env_block_cells(EnvBlock("retail", "this run", pd.read_csv(path)), "trace_argmax")
+    assert rate == "100.0 [72.2, 100.0] (10/10)" and rollouts == "660"
+    assert pct({**trace, "n": 10}) == "100.0 [72.2, 100.0] (10)"
+
+    fig = success_by_method(runs)
+    row = [r.key for r in runs].index("trace_argmax")
+    segments = [seg for c in fig.axes[0].collections for seg in c.get_segments()]  # the error bars
+    (start, end), = [seg for seg in segments if seg[0][1] == row]
+    assert (start[0], end[0]) == (pytest.approx(lo), pytest.approx(1.0))
+    assert "Wilson" in fig.axes[0].get_xlabel()
+    curve = scaling_curve([{"method": "trace", "budget": 660, **trace}])
+    assert "Wilson" in curve.axes[0].get_ylabel()
 
 
 def test_best_single_is_chosen_on_validation_when_every_single_played_it():

@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from trace_lib.config import ScalingConfig
+from trace_lib.evaluation.tables import success_interval
 from trace_lib.io import read_json, read_jsonl
 from trace_lib.paths import Paths
 from trace_lib.records import Trajectory
@@ -134,7 +135,7 @@ def snapshot_name(point: dict[str, Any], cap: str) -> str:
 # --- tables ------------------------------------------------------------------------------------------
 def point_row(method: str, point_total: int, iteration: int | str | None, trajs: Sequence[Trajectory] | None,
               reason: str = "", n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> dict[str, Any]:
-    """One scaling point (or a not-run reason): success with bootstrap CI, mean tool calls per success.
+    """One scaling point (or a not-run reason): success with its intervals, mean tool calls per success.
     `iteration` as `budget_points` gives it: 0 (base), k, None (final) or a staggered point's label."""
     row: dict[str, Any] = {"method": method, "budget": point_total, "iteration": iteration, "reason": reason}
     if trajs is not None:
@@ -147,14 +148,15 @@ def point_row(method: str, point_total: int, iteration: int | str | None, trajs:
 def pct(row: dict[str, Any]) -> str:
     if "success_rate" not in row:
         return f"not run: {row.get('reason', '')}"
-    return f"{100 * row['success_rate']:.1f} [{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}] ({row['n']})"
+    lo, hi = success_interval(row)
+    return f"{100 * row['success_rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] ({row['n']})"
 
 
 def scaling_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame([{"method": r["method"], "rollouts": r["budget"],
                           "iteration": "base" if r["iteration"] == 0 else ("final" if r["iteration"] is None
                                                                             else r["iteration"]),
-                          "success % [95% CI] (n)": pct(r)} for r in rows])
+                          "success % [95% Wilson] (n)": pct(r)} for r in rows])
 
 
 ABLATIONS: tuple[tuple[str, str, str, str], ...] = (
@@ -221,6 +223,6 @@ def ablation_rows(root: Path, cfg: ScalingConfig, evaluate_metrics: dict[str, An
 
 def ablation_table(rows: Sequence[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame([{
-        "ablation": r["ablation"], "variant": r["variant"], "success % [95% CI] (n)": pct(r),
+        "ablation": r["ablation"], "variant": r["variant"], "success % [95% Wilson] (n)": pct(r),
         "tool calls / success": "" if r.get("tool_calls_per_success") is None else f"{r['tool_calls_per_success']:.2f}",
         "source": r["source"]} for r in rows])

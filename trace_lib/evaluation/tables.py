@@ -5,7 +5,7 @@ to these builders and writes what they return. They are pure functions from `Met
 trajectories, or why it did not run, and the rollouts it cost) to DataFrames, so tests can build them
 from constructed records; `eval_results` turns the runs into the stage's EvalResult records.
 
-Cells read `rate [lo, hi]` in percent (success rate, 95% bootstrap interval over tasks); a method
+Cells read `rate [lo, hi] k/n` in percent (success rate, 95% Wilson interval over episodes); a method
 that did not run keeps its row and says why, so the table shape never depends on what was available.
 """
 
@@ -166,12 +166,19 @@ def ordered_rows(runs: Sequence[MethodRun], order: Sequence[str] = TABLE1_ORDER)
 
 
 # --- cells -------------------------------------------------------------------------------------------
+def success_interval(row: Mapping[str, Any]) -> tuple[float, float]:
+    """A success rate's interval as every table and figure shows it: the 95% Wilson interval over episodes, which
+    keeps a width at 0 or n successes where the bootstrap's collapses (rows written without it: the bootstrap's)."""
+    if row.get("wilson_low") is not None and row.get("wilson_high") is not None:
+        return float(row["wilson_low"]), float(row["wilson_high"])
+    return float(row["ci_low"]), float(row["ci_high"])
+
+
 def pct_cell(row: dict[str, Any] | None) -> str:
-    """Success %, its 95% Wilson interval and successes/episodes ('25.0 [8.9, 53.2] 3/12'); the Wilson interval
-    keeps a width at 0 or n successes, where the bootstrap's collapses (older rows without it: the bootstrap's)."""
+    """Success %, its interval (`success_interval`) and successes/episodes ('25.0 [8.9, 53.2] 3/12')."""
     if not row or not row.get("n"):
         return EMPTY
-    lo, hi = (row["wilson_low"], row["wilson_high"]) if row.get("wilson_low") is not None else (row["ci_low"], row["ci_high"])
+    lo, hi = success_interval(row)
     count = f" {row['successes']}/{row['n']}" if "successes" in row else ""
     return f"{100 * row['success_rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]{count}"
 
@@ -237,7 +244,7 @@ def table1(runs: Sequence[MethodRun], groups: Sequence[str], trace_total: int,
 
 
 TABLE1_COLUMNS = ("method", "key", "column", "status", "n", "successes", "success_rate", "ci_low", "ci_high",
-                  "mean_reward", "reward_ci_low", "reward_ci_high", "rollouts", "reason")
+                  "wilson_low", "wilson_high", "mean_reward", "reward_ci_low", "reward_ci_high", "rollouts", "reason")
 """The columns of table1.csv."""
 
 
@@ -250,7 +257,7 @@ def table1_long(runs: Sequence[MethodRun], groups: Sequence[str]) -> pd.DataFram
             cell = (r.summary["overall"] if g == "overall" else r.summary["groups"].get(g)) if r.ran else None
             rows.append({"method": r.label, "key": r.key, "column": g, "status": "run" if r.ran else "not run",
                          **{k: (cell or {}).get(k) for k in ("n", "successes", "success_rate", "ci_low", "ci_high",
-                                                             "mean_reward", "reward_ci_low", "reward_ci_high")},
+                                                             "wilson_low", "wilson_high", "mean_reward", "reward_ci_low", "reward_ci_high")},
                          "rollouts": r.budget, "reason": r.reason})
     return pd.DataFrame(rows, columns=cols)
 
@@ -519,8 +526,10 @@ def env_block_cells(block: EnvBlock, key: str) -> tuple[str, str, str]:
     if r["status"] != "run" or not n:
         return "not run", "not run", rollouts
     k, rate, lo, hi = (_number(r[c]) for c in ("successes", "success_rate", "ci_low", "ci_high"))
+    w_lo, w_hi = (_number(r.get(c)) for c in ("wilson_low", "wilson_high"))
     if None in (k, rate, lo, hi):
         return "unreadable", EMPTY, rollouts
+    lo, hi = success_interval({"ci_low": lo, "ci_high": hi, "wilson_low": w_lo, "wilson_high": w_hi})
     cell = f"{100 * rate:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] ({round(k)}/{round(n)})"
     mean, rlo, rhi = (_number(r.get(c)) for c in ("mean_reward", "reward_ci_low", "reward_ci_high"))
     reward = EMPTY if None in (mean, rlo, rhi) else f"{mean:.3f} [{rlo:.3f}, {rhi:.3f}]"

@@ -19,6 +19,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from trace_lib.evaluation.tables import success_interval  # noqa: E402
+
 
 TRACE_METHODS = ("trace", "distilled")
 
@@ -41,15 +43,17 @@ def success_by_method(runs: Sequence[Any], title: str = "") -> plt.Figure:
             ax.text(0.01, i, "not run", va="center", fontsize=8, color="0.45")
             continue
         o = r.summary["overall"]
+        lo, hi = success_interval(o)
         # TRACE's rows (routed adapters, and the student distilled from them) apart from the baselines
         color = pal[2] if r.method in TRACE_METHODS else pal[0] if r.key != "base" else "0.55"
-        ax.barh(i, o["success_rate"], color=color,
-                xerr=[[o["success_rate"] - o["ci_low"]], [o["ci_high"] - o["success_rate"]]], capsize=3)
-        ax.text(min(0.98, o["ci_high"] + 0.02), i, f"{100 * o['success_rate']:.1f}%", va="center", fontsize=7)
+        ax.barh(i, o["success_rate"], color=color, xerr=[[max(0.0, o["success_rate"] - lo)], [max(0.0, hi - o["success_rate"])]],
+                capsize=3)
+        ax.text(min(0.98, hi + 0.02), i, f"{100 * o['success_rate']:.1f}% ({o['successes']}/{o['n']})",
+                va="center", fontsize=7)
     ax.set_yticks(y, [r.label for r in runs], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
-    ax.set_xlabel("success rate (95% bootstrap CI over tasks)")
+    ax.set_xlabel("success rate (95% Wilson interval)")
     ax.set_title(title)
     fig.tight_layout()
     return fig
@@ -91,7 +95,7 @@ def routing_confusion(quality: dict[str, Any], title: str = "") -> plt.Figure:
 
 
 def scaling_curve(rows: Sequence[dict[str, Any]], title: str = "") -> plt.Figure:
-    """Success against training rollouts per method (bootstrap CI bands); methods not run are listed."""
+    """Success against training rollouts per method (Wilson interval bars); methods not run are listed."""
     ran = [r for r in rows if "success_rate" in r]
     if not ran:
         return placeholder("no scaling point was evaluated: " + "; ".join(sorted({r["reason"] for r in rows})))
@@ -101,7 +105,9 @@ def scaling_curve(rows: Sequence[dict[str, Any]], title: str = "") -> plt.Figure
         pts = sorted((r for r in ran if r["method"] == method), key=lambda r: r["budget"])
         x = [r["budget"] for r in pts]
         y = [r["success_rate"] for r in pts]
-        ax.errorbar(x, y, yerr=[[a - r["ci_low"] for a, r in zip(y, pts)], [r["ci_high"] - a for a, r in zip(y, pts)]],
+        bounds = [success_interval(r) for r in pts]
+        ax.errorbar(x, y, yerr=[[max(0.0, a - lo) for a, (lo, _) in zip(y, bounds)],
+                                [max(0.0, hi - a) for a, (_, hi) in zip(y, bounds)]],
                     marker="o", capsize=3, color=pal[i], label=method)
     missing = sorted({r["method"] for r in rows} - {r["method"] for r in ran})
     if missing:
@@ -109,7 +115,7 @@ def scaling_curve(rows: Sequence[dict[str, Any]], title: str = "") -> plt.Figure
                 color="0.4")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("rollouts (TRACE: discovery + band checks + all adapters)")
-    ax.set_ylabel("success rate (95% bootstrap CI over tasks)")
+    ax.set_ylabel("success rate (95% Wilson interval)")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()

@@ -385,7 +385,7 @@ def environments_markdown(blocks: list[EnvBlock]) -> str:
     shown = [b for i, b in enumerate(blocks) if i == 0 or b.rows is not None or not b.reason.endswith("no such folder")]
     note = ("Each block is one run of the pipeline on that environment (its own discovered capabilities, "
             "adapters and evaluation split), read from the run's reports/tables/table1.csv: overall success % "
-            "with the run's bootstrap interval over tasks (95% unless its evaluate.ci_level says otherwise) and "
+            "with its 95% Wilson interval (a run written without one: its bootstrap interval over tasks) and "
             "successes/tasks; on a graded environment success means a perfect score and the mean reward "
             "(milestone similarity) follows; rollouts = training episodes behind the method. Runs: " + sources
             + ". Another environment's block comes from `report.environments` in params.yaml (e.g. "
