@@ -189,7 +189,7 @@ def test_a_result_before_a_skipped_lookup_is_cut_and_every_trained_turn_reads_wh
     # k1: one lookup, then an answer; k3: lookups until the step limit (3 turns)
     out = ro(["kv:1001"] * 2 + ["kv:1003"] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0)))
     tok = scripted.tokenizer
-    answered, looping = ro.last[0], ro.last[2]
+    looping = ro.last[2]
     trained = tok.decode(out["completion_ids"][0])
     assert trained.count("padding") == 200 and TRUNCATION_MARK not in trained  # the answer's result stays whole
     assert [t[2] for t in looping.turns] == [True, True, True]
