@@ -758,6 +758,7 @@ def test_findings_are_sentences_computed_from_the_metrics():
         "router": "knn", "routers": {"knn": {"validation": {"router_accuracy": 0.75}}},
         "routing": {"router_accuracy": 0.5}}
     lines = findings(metrics)
+    assert len(lines) == 6  # no routing counts, no best single adapter: nothing said of them
     assert lines[0] == ("TRACE (argmax) − base: +12.5 pp [+4.0 pp, +21.0 pp] over 48 tasks; exact McNemar p = 0.0078 "
                         "(8 solved only by TRACE (argmax), 1 only by base).")
     assert lines[1].startswith("GRPO on target − base: +0.0 pp") and lines[1].endswith("at 352 rollouts.")
@@ -766,6 +767,14 @@ def test_findings_are_sentences_computed_from_the_metrics():
     assert lines[3] == "GRPO on target (reads played) did not run: no adapter."
     assert lines[4] == "Methods that differ from the base model at p < 0.05: TRACE (argmax)."
     assert lines[5] == "Router: knn; agreement with the oracle 0.75 on validation, 0.50 on test."
+    routed = {**metrics, "routing": {"router_accuracy": 0.5, "tasks": 48, "none_share": 0.25},
+              "methods": {**metrics["methods"], "single_best": {
+                  "label": "single-capability (best: a)", "status": "run", "trace_vs": cmp(0.0, 0.0, 0.0, 1.0, 0, 0)}}}
+    assert findings(routed)[6:] == [
+        "The router sent 36 of 48 test tasks to an adapter and 12 to none.",
+        "What routing changed: TRACE (argmax) − single-capability (best: a): +0.0 pp [+0.0 pp, +0.0 pp] over 48 "
+        "tasks; exact McNemar p = 1 (0 solved only by TRACE (argmax), 0 only by single-capability (best: a)) "
+        "(the best single adapter on every task)."]
     # no TRACE row: the baselines still against the base model
     alone = {"methods": {"trace_argmax": {"status": "not run", "reason": "no capability adapters"},
                          "grpo_target": {**metrics["methods"]["grpo_target"], "trace_vs": None}}}

@@ -415,3 +415,13 @@ def test_the_llm_cost_table_lists_every_call_of_the_run(tmp_path: Path):
         "| tau2_user | openai | served | 1 | 1 | 0 | 0 | 0 | 100 | 10 | no price |",
         "| total |  |  | 5 | 3 | 1 | 1 | 2 | 300 | 30 | no price |",
     ]
+
+
+def test_traces_budget_reads_as_its_ledger():
+    from trace_lib.stages.report import budget_text
+
+    assert budget_text({"by_adapter": {"a": 96, "b": 32}, "discovery": 48, "synthesize": 144, "total": 320}) == (
+        "320 rollouts (48 discovery, 144 calibration, 128 training: a 96, b 32)")
+    assert budget_text({"by_adapter": {}, "discovery": 48, "synthesize": 0, "total": 48}) == (
+        "48 rollouts (48 discovery, 0 calibration, 0 training)")
+    assert budget_text(288) == "288 rollouts"

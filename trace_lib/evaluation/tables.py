@@ -397,7 +397,8 @@ def _difference(label: str, other: str, cmp: dict[str, Any]) -> str:
 def findings(metrics: dict[str, Any]) -> list[str]:
     """The evaluation's findings as sentences computed from evaluate.json: TRACE against the base model, GRPO on the
     target and its reads-played ablation against the base model and against TRACE, the methods that differ from the
-    base model, and the router the TRACE rows used."""
+    base model, the router the TRACE rows used, where it sent the tasks and what that changed against the best
+    single adapter."""
     methods = metrics.get("methods", {})
     trace_key = next((k for k in ("trace_argmax", "trace_top_p") if methods.get(k, {}).get("status") == "run"), None)
     trace = methods.get(trace_key or "", {})
@@ -428,6 +429,15 @@ def findings(metrics: dict[str, Any]) -> list[str]:
         test = metrics.get("routing", {}).get("router_accuracy")
         fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
         out.append(f"Router: {router}; agreement with the oracle {fmt(held)} on validation, {fmt(test)} on test.")
+    routing = metrics.get("routing", {})
+    if routing.get("tasks") and routing.get("none_share") is not None:
+        sent = round((1 - routing["none_share"]) * routing["tasks"])
+        out.append(f"The router sent {sent} of {routing['tasks']} test tasks to an adapter and "
+                   f"{routing['tasks'] - sent} to none.")
+    best = methods.get("single_best", {})
+    if trace_key and best.get("status") == "run" and best.get("trace_vs"):
+        out.append("What routing changed: " + _difference(label, best["label"], best["trace_vs"])
+                   + " (the best single adapter on every task).")
     return out
 
 

@@ -237,11 +237,21 @@ def what_ran(resolved: dict[str, Any] | None, metrics: dict[str, Any],
            f"{env.get('name')} environment ({', '.join(env.get('families') or []) or 'its default families'})."]
     if ev:
         out.append(f"Evaluated on the {ev.get('split')} split: {ev.get('tasks')} tasks, greedy; TRACE's rollout "
-                   f"budget {ev.get('trace_budget')} (discovery and calibration included), the baselines trained "
-                   "to the same total.")
+                   f"budget {budget_text(ev.get('trace_budget'))}, the baselines trained to the same total.")
     if times:
         out.append(times_line(times))
     return out
+
+
+def budget_text(budget: Any) -> str:
+    """TRACE's ledger in words: '288 rollouts (48 discovery, 144 calibration, 96 training: communicate_result 96)'."""
+    if not isinstance(budget, dict):
+        return f"{budget} rollouts"
+    adapters = budget.get("by_adapter") or {}
+    parts = [f"{budget.get('discovery', 0)} discovery", f"{budget.get('synthesize', 0)} calibration",
+             f"{sum(adapters.values())} training" + (": " + ", ".join(f"{k} {v}" for k, v in adapters.items())
+                                                     if adapters else "")]
+    return f"{budget.get('total')} rollouts ({', '.join(parts)})"
 
 
 def figure_order(names: list[str]) -> list[str]:
