@@ -320,6 +320,9 @@ class CalibrationConfig(Section):
     max_attempts: int = Field(4, ge=1)
     """Settings tried before the environment is dropped: from the opening at `synthesize.difficulty`, each next one a
     step easier or harder toward the band (`training.calibrate.next_rung`)."""
+    transfer_tasks: int = Field(4, ge=0)
+    """Failed target train tasks behind the capability the base model plays (`samples` each) from the start found,
+    recorded as the transfer check and charged to TRACE (`training.calibrate.transfer_check`); 0: no check."""
 
     @model_validator(mode="after")
     def _band_order(self) -> CalibrationConfig:

@@ -58,7 +58,9 @@ def write_run(root: Path, *, trained: bool = True, fixes: bool = True) -> None:
     write_jsonl(p.env_manifests, [SyntheticEnvManifest(
         capability_id="say_it", source="template", path="data/envs/say_it/env.py", sha256="abc", target_env="retail",
         valid=True, difficulty={"value": 0}, calibration={"attempts": [
-            {"difficulty": 0, "start": "opening", "success": 0.25, "mixed_groups": 0.5, "rollouts": 48, "in_band": True}]})])
+            {"difficulty": 0, "start": "opening", "success": 0.25, "mixed_groups": 0.5, "rollouts": 48, "in_band": True}],
+            "transfer": {"start": "opening", "tasks": ["t1", "t2"], "rollouts": 16, "successes": 1, "success": 0.0625,
+                         "mixed_groups": 0.5, "by_family": {"order_status": "1/8", "order_total": "0/8"}}})])
     write_jsonl(p.synth_rollouts, [{"key": "say_it", "rollouts": 48, "stage": "synthesize"}])
     if trained:
         write_jsonl(p.adapter_manifests, [AdapterManifest(capability_id="say_it", path="data/adapters/say_it",
@@ -143,6 +145,8 @@ def test_the_report_writes_a_page_per_capability_and_the_viewer_and_every_link_r
     fixed = text[text.index("Fixed by TRACE"):text.index("Broken by TRACE")]
     assert fixed.count('class="ep"') == 2 and 'id="b0"' in fixed and 'id="r0"' in fixed  # base and TRACE, side by side
     assert "never said &#x27;pending&#x27;" in text and "<polyline" in text and "difficulty 0, opening" in text
+    assert ("Transfer check before training: the base model on 2 failed target train tasks behind it, from the opening, "
+            "succeeded in 1 of 16 episodes (order_status 1/8, order_total 0/8)") in text
     assert "<details" in text  # the system prompt and the long tool result fold
 
 

@@ -100,6 +100,41 @@ def test_an_environment_no_setting_calibrates_is_dropped_and_its_rollouts_charge
     assert spent["by_key"] == {"synthesize/communicate_result": 12} and env["calibration"]["rollouts"] == 12
 
 
+def test_a_calibrated_environment_records_its_transfer_check_and_charges_it(tmp_path, tiny_model_dir):
+    """A band every rate is in: the first setting fits; the base model then plays the failed target tasks behind the
+    capability (two of its three, by `transfer_tasks`) from that start, and those episodes are charged too."""
+    from trace_lib.budget import total_rollouts
+    from trace_lib.envs import make_tasks
+    from trace_lib.records import Trajectory
+
+    params = params_from_dict({"analyst": {"backend": "rules"},
+                               "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
+                               "env": {"families": ["order_total", "order_tracking"], "tasks_per_family": 2},
+                               "train": {"max_new_tokens": 8, "max_steps_per_episode": 2},
+                               "synthesize": {"difficulty": 0, "calibration": {
+                                   "enabled": True, "seeds": 2, "samples": 2, "success_lo": 0.0,
+                                   "min_mixed": 0.0, "transfer_tasks": 2}}})
+    tasks = make_tasks(params.env, "train")
+    write_jsonl(tmp_path / "data/rollouts/tasks-train.jsonl", tasks)
+    evidence = [Trajectory(id=f"{t.id}#0", task_id=t.id, env="retail", family=t.family, split="train", policy_id="p",
+                           seed=0, messages=[], reward=0.0, success=False, termination="user_stop", tool_calls=0,
+                           invalid_actions=0, tool_errors=0, turns=0, prompt_tokens=0, completion_tokens=0)
+                for t in tasks[:3]]
+    write_jsonl(tmp_path / "data/rollouts/train.jsonl", evidence)
+    write_jsonl(tmp_path / "data/score/kept.jsonl",
+                [_cap("communicate_result").model_copy(update={"evidence": [e.id for e in evidence]})])
+    env = run_synthesize(params, tmp_path)["envs"]["communicate_result"]
+    transfer = env["calibration"]["transfer"]
+    assert env["valid"] and env["calibration"]["rollouts"] == 4
+    assert transfer["start"] == "opening" and transfer["rollouts"] == 4 and len(transfer["tasks"]) == 2
+    assert {t.family for t in tasks if t.id in transfer["tasks"]} == {"order_total", "order_tracking"}
+    assert sum(int(kn.split("/")[1]) for kn in transfer["by_family"].values()) == 4
+    spent = total_rollouts([tmp_path / "data/envs/rollouts.jsonl"])
+    assert spent["by_key"] == {"synthesize/communicate_result": 8}
+    (manifest,) = valid_envs(tmp_path)
+    assert manifest.calibration["transfer"] == transfer
+
+
 def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):
     params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "tau2-airline"},
                                "synthesize": NO_CALIBRATION})

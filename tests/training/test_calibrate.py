@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 from test_train import FAST, ScriptedPolicy, kv_tasks
-from toy import KVEnv
+from toy import KVEnv, kv_task
 
 from trace_lib.config import CalibrationConfig, TrainConfig
-from trace_lib.training.calibrate import CALIBRATION_SEED0, Setting, calibrate, judge, ladder, next_rung
+from trace_lib.records import Trajectory
+from trace_lib.training.calibrate import (CALIBRATION_SEED0, Setting, calibrate, judge, ladder, next_rung, tasks_behind,
+                                          transfer_check)
 from trace_lib.training.grpo import TrainSource
 from trace_lib.training.hints import reference_steps
 from trace_lib.training.trainer import load_trainable
@@ -77,3 +79,33 @@ def test_no_setting_in_band_is_a_reason_listing_every_attempt(scripted):
     assert out["reason"].startswith("no setting in band") and out["reason"].count("difficulty") == 3
     assert [a["rollouts"] for a in out["attempts"]] == [6, 6, 6] and not any(a["in_band"] for a in out["attempts"])
     assert CALIBRATION_SEED0 > TrainConfig().seed_offset
+
+
+def _episode(traj_id: str, task_id: str, success: bool) -> Trajectory:
+    return Trajectory(id=traj_id, task_id=task_id, env="toy", family=task_id.split("/")[1], split="train",
+                      policy_id="tiny", seed=0, messages=[], reward=float(success), success=success,
+                      termination="agent_stop", tool_calls=0, invalid_actions=0, tool_errors=0, turns=0,
+                      prompt_tokens=0, completion_tokens=0)
+
+
+def test_the_tasks_behind_a_capability_are_its_evidence_failures_taken_in_turn_from_each_family():
+    tasks = [kv_task(i, "read") for i in range(3)] + [kv_task(i, "write") for i in range(2)] + [kv_task(9, "other")]
+    evidence = [_episode("e0", "toy/read/2", False), _episode("e1", "toy/read/0", False),
+                _episode("e2", "toy/write/1", False), _episode("e3", "toy/read/1", True),  # solved: not behind it
+                _episode("e4", "toy/read/0", False), _episode("e5", "toy/other/9", False)]  # e5 cited by no one
+    cited = ["e0", "e1", "e2", "e3", "e4"]
+    assert [t.id for t in tasks_behind(evidence, cited, tasks, 9)] == ["toy/read/0", "toy/write/1", "toy/read/2"]
+    assert [t.id for t in tasks_behind(evidence, cited, tasks, 2)] == ["toy/read/0", "toy/write/1"]
+    assert tasks_behind(evidence, cited, tasks, 0) == [] and tasks_behind([], cited, tasks, 4) == []
+
+
+def test_the_transfer_check_plays_each_task_behind_it_and_counts_per_family(scripted):
+    tasks = [kv_task(1, "read"), kv_task(2, "read"), kv_task(3, "write")]
+    source = TrainSource("target", lambda: KVEnv(max_steps=3), kv_tasks, reference=reference_steps)
+    out = transfer_check(scripted, source, tasks, False, 2, TrainConfig(**FAST), seed=0)
+    assert (out["start"], out["tasks"], out["rollouts"]) == ("opening", [t.id for t in tasks], 6)
+    assert sorted(out["by_family"]) == ["read", "write"] and out["by_family"]["read"].endswith("/4")
+    assert out["successes"] == sum(int(kn.split("/")[0]) for kn in out["by_family"].values())
+    assert out["success"] == round(out["successes"] / 6, 4) and 0 <= out["mixed_groups"] <= 1
+    late = transfer_check(scripted, source, tasks, True, 2, TrainConfig(**FAST), seed=0)
+    assert late["start"] == "reads played" and late["rollouts"] == 6

@@ -115,7 +115,7 @@ def cat_adapter(folders: Mapping[str, Path], weights: Mapping[str, float]
     of the sorted names; adapters without the module leave zero rows at the end) and B their B_c side
     by side; rank Σ r_c, lora_alpha Σ r_c, so its scaling is 1. Done on the files rather than with
     PEFT so that no base weights are loaded: a server may hold a model the evaluating machine cannot.
-    `tests/test_compose.py` checks the tensors equal PEFT's `cat` adapter's."""
+    `tests/engine/test_compose.py` checks the tensors equal PEFT's `cat` adapter's."""
     active = active_weights(weights)
     missing = sorted(set(active) - set(folders))
     if missing or not active:

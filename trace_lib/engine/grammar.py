@@ -27,7 +27,7 @@ average along a 101-token message and ~15 ms by its end, against ~0.04 ms for th
 whole step over `[^<]*` (`benchmarks/grammar_mask.py`). The grammar's message is therefore
 unbounded, and the processor forbids, on each message row, the tokens that would take the message
 past `max_text_chars` characters (counted as UTF-8 lead bytes, as the grammar counted characters):
-the same tokens the bounded repetition forbade (`tests/test_grammar.py` compares the two masks).
+the same tokens the bounded repetition forbade (`tests/engine/test_grammar.py` compares the two masks).
 """
 
 from __future__ import annotations

@@ -151,6 +151,12 @@ def capability_page(record: Mapping[str, Any], train: Mapping[str, Trajectory],
                             f"<td>{_fmt(a['success'])}</td><td>{_fmt(a['mixed_groups'])}</td>"
                             f"<td>{esc(a['rollouts'])}</td><td>{'yes' if a['in_band'] else 'no'}</td></tr>"
                             for a in attempts) + "</tbody></table>")
+        transfer = (env.get("calibration") or {}).get("transfer")
+        if transfer:
+            families = ", ".join(f"{esc(f)} {esc(kn)}" for f, kn in transfer["by_family"].items())
+            body.append(f"<p>Transfer check before training: the base model on {len(transfer['tasks'])} failed target "
+                        f"train tasks behind it, from the {esc(transfer['start'])}, succeeded in "
+                        f"{esc(transfer['successes'])} of {esc(transfer['rollouts'])} episodes ({families}).</p>")
         sample = env.get("sample_task")
         if sample and "error" in sample:
             body.append(f'<p class="muted">No sample task: {esc(sample["error"])}</p>')

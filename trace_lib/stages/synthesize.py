@@ -9,7 +9,7 @@ from their tasks). Writes, per capability, `data/envs/<capability>/` (attempts, 
 synthesizers), `data/envs/rollouts.jsonl` (rollouts spent on difficulty-band checks and calibration, part of
 TRACE's budget) and `reports/metrics/synthesize.json`. With `synthesize.calibration` each valid environment is
 fitted to the base model (`trace_lib.training.calibrate`): its manifest records the difficulty and start it
-trains at, or it is dropped with the reason.
+trains at and a transfer check on the target's failed train tasks behind it, or it is dropped with the reason.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from trace_lib.llm import analyst_client
 from trace_lib.config import Params
 from trace_lib.io import read_jsonl, write_json, write_jsonl
 from trace_lib.paths import Paths
-from trace_lib.records import Capability, SyntheticEnvManifest, Trajectory
+from trace_lib.envs import load_tasks
+from trace_lib.records import Capability, SyntheticEnvManifest, Task, Trajectory
 from trace_lib.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import resolve_synth_backend, synthesize_env
 from trace_lib.budget import RolloutLedger
-from trace_lib.training.calibrate import calibrate
-from trace_lib.training.sources import sandbox_limits, synthetic_source
+from trace_lib.training.calibrate import calibrate, tasks_behind, transfer_check
+from trace_lib.training.sources import sandbox_limits, synthetic_source, target_source
 
 
 def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
@@ -49,7 +50,12 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
     manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence,
                                 policy=policy, ledger=ledger) for cap in kept]
     if params.synthesize.calibration.enabled:
-        manifests = [calibrated(m, params, root, policy, ledger) if m.valid else m for m in manifests]
+        caps = {c.id: c for c in kept}
+        n = params.synthesize.calibration.transfer_tasks
+        tasks = load_tasks(params.env, params.rollout.split, root) if n and evidence else []
+        manifests = [calibrated(m, params, root, policy, ledger,
+                                tasks_behind(evidence, caps[m.capability_id].evidence, tasks, n)) if m.valid else m
+                     for m in manifests]
     write_jsonl(paths.env_manifests, manifests)
     metrics = {
         "backend": backend,
@@ -66,15 +72,21 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
 
 
 def calibrated(manifest: SyntheticEnvManifest, params: Params, root: Path, policy: Any,
-               ledger: RolloutLedger) -> SyntheticEnvManifest:
+               ledger: RolloutLedger, behind: list[Task]) -> SyntheticEnvManifest:
     """`manifest` with its calibration (`training.calibrate`): the difficulty it trains at, or, where no setting is
-    in band, not valid, its module removed and the reason recorded. Every episode played goes to `ledger`."""
+    in band, not valid, its module removed and the reason recorded. Where a setting fits, the base model then plays
+    `behind` (target tasks the capability's evidence failed) from its start, recorded as `calibration.transfer`.
+    Every episode played goes to `ledger`."""
+    cfg = params.synthesize.calibration
     with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
         knob = box.meta["DIFFICULTY"]
         result = calibrate(policy, lambda d: synthetic_source(box, manifest.capability_id, params, difficulty=d),
-                           params.synthesize.calibration, params.train, params.synthesize.difficulty, params.seed,
-                           (knob["min"], knob["max"]))
-    ledger.add("synthesize", result["rollouts"], key=manifest.capability_id)
+                           cfg, params.train, params.synthesize.difficulty, params.seed, (knob["min"], knob["max"]))
+    if result["ok"] and behind:
+        result["transfer"] = transfer_check(policy, target_source(params, root), behind, result["start_late"] >= 1.0,
+                                            cfg.samples, params.train, params.seed)
+    ledger.add("synthesize", result["rollouts"] + result.get("transfer", {}).get("rollouts", 0),
+               key=manifest.capability_id)
     env_dir = Paths(root).env_dir(manifest.capability_id)
     if not result["ok"]:
         (env_dir / "env.py").unlink(missing_ok=True)

@@ -11,17 +11,19 @@ settings lie on one scale of hardness (`ladder`): difficulty 0 with the referenc
 start `train.start_late` trains from), difficulty 0 from the opening, difficulty 1 with the reads played, and so
 on up to the generator's highest difficulty. Calibration starts from the opening at the configured difficulty and
 steps one rung toward the band after each setting it measures (`next_rung`): easier where the model succeeded
-less than the band's middle, harder where more, never to a rung already measured. Every episode played is a
-rollout TRACE spends.
+less than the band's middle, harder where more, never to a rung already measured. Then a transfer check plays
+a few of the target's failed train tasks behind the capability from the start found (`transfer_check`). Every
+episode played is a rollout TRACE spends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from trace_lib.config import CalibrationConfig, TrainConfig
+from trace_lib.records import Task, Trajectory
 from trace_lib.training.grpo import Episode, TrainSource, leading_steps, play, start_episode
 
 CALIBRATION_SEED0 = 900_000
@@ -65,22 +67,64 @@ def judge(successes: list[list[bool]], cfg: CalibrationConfig) -> dict[str, Any]
     return {"success": round(rate, 4), "mixed_groups": round(mixed, 4), "in_band": in_band}
 
 
+def play_groups(policy: Any, source: TrainSource, tasks: list[tuple[int, Task]], late: bool, samples: int,
+                train: TrainConfig, seed: int) -> list[list[bool]]:
+    """`samples` base-model episodes of each (env seed, task) at `train.temperature`, from the opening or with the
+    reference's leading reads played (`late`); one list of successes per task, in order."""
+    episodes: list[Episode] = []
+    for env_seed, task in tasks:
+        for sample in range(samples):
+            env = source.make_env()
+            env.max_steps = min(env.max_steps, train.max_steps_per_episode)
+            steps = leading_steps(source.reference(task), env.tool_kinds()) if late and source.reference else []
+            episodes.append(start_episode(policy, source.name, env_seed, task, sample, env, preplay=steps))
+    play(policy, episodes, train, seed=seed)
+    return [[ep.env.reward()[0] >= 1 for ep in episodes[i:i + samples]] for i in range(0, len(episodes), samples)]
+
+
 def measure(policy: Any, source: TrainSource, setting: Setting, cfg: CalibrationConfig, train: TrainConfig,
             seed: int) -> dict[str, Any]:
     """Play `cfg.seeds` x `cfg.samples` base-model episodes of `source` from `setting` at `train.temperature`; the
     outcome (`judge`) with the setting and the rollouts spent."""
     seeds = list(range(CALIBRATION_SEED0, CALIBRATION_SEED0 + cfg.seeds))
-    episodes: list[Episode] = []
-    for env_seed, task in zip(seeds, source.make_tasks(seeds), strict=True):
-        for sample in range(cfg.samples):
-            env = source.make_env()
-            env.max_steps = min(env.max_steps, train.max_steps_per_episode)
-            steps = leading_steps(source.reference(task), env.tool_kinds()) if setting.late and source.reference else []
-            episodes.append(start_episode(policy, source.name, env_seed, task, sample, env, preplay=steps))
-    play(policy, episodes, train, seed=seed)
-    outcomes = [[ep.env.reward()[0] >= 1 for ep in episodes[i:i + cfg.samples]]
-                for i in range(0, len(episodes), cfg.samples)]
-    return {"difficulty": setting.difficulty, "start": setting.start, **judge(outcomes, cfg), "rollouts": len(episodes)}
+    tasks = list(zip(seeds, source.make_tasks(seeds), strict=True))
+    outcomes = play_groups(policy, source, tasks, setting.late, cfg.samples, train, seed)
+    return {"difficulty": setting.difficulty, "start": setting.start, **judge(outcomes, cfg),
+            "rollouts": cfg.samples * len(tasks)}
+
+
+def tasks_behind(evidence: Sequence[Trajectory], cited: Sequence[str], tasks: Sequence[Task], n: int) -> list[Task]:
+    """Up to `n` of the target tasks whose episodes failed among the trajectories `cited` (a capability's evidence),
+    taken in turn from each family (families and tasks by id), so a few tasks cover the failures' families."""
+    cited_ids = set(cited)
+    failed = {e.task_id for e in evidence if e.id in cited_ids and not e.success}
+    by_family: dict[str, list[Task]] = {}
+    for task in sorted((t for t in tasks if t.id in failed), key=lambda t: t.id):
+        by_family.setdefault(task.family, []).append(task)
+    turns = [fam_tasks for _, fam_tasks in sorted(by_family.items())]
+    out: list[Task] = []
+    for i in range(max(map(len, turns), default=0)):
+        out.extend(fam_tasks[i] for fam_tasks in turns if i < len(fam_tasks))
+    return out[:n]
+
+
+def transfer_check(policy: Any, source: TrainSource, tasks: Sequence[Task], late: bool, samples: int,
+                   train: TrainConfig, seed: int) -> dict[str, Any]:
+    """The base model on target tasks behind a capability (`tasks_behind`), `samples` episodes each at
+    `train.temperature` from the start its environment trains at: whether the target's own failures give GRPO a
+    signal there. Recorded beside the calibration, never a gate."""
+    outcomes = play_groups(policy, source, list(enumerate(tasks)), late, samples, train, seed)
+    by_family: dict[str, list[int]] = {}
+    for task, group in zip(tasks, outcomes, strict=True):
+        k_n = by_family.setdefault(task.family, [0, 0])
+        k_n[0] += sum(group)
+        k_n[1] += len(group)
+    n = sum(map(len, outcomes))
+    k = sum(map(sum, outcomes))
+    return {"start": "reads played" if late else "opening", "tasks": [t.id for t in tasks], "rollouts": n,
+            "successes": k, "success": round(k / n, 4) if n else 0.0,
+            "mixed_groups": round(sum(0 < sum(g) < len(g) for g in outcomes) / len(outcomes), 4) if outcomes else 0.0,
+            "by_family": {fam: f"{k}/{m}" for fam, (k, m) in sorted(by_family.items())}}
 
 
 def calibrate(policy: Any, source_at: Callable[[int], TrainSource], cfg: CalibrationConfig, train: TrainConfig,
