@@ -421,7 +421,7 @@ def test_traces_budget_reads_as_its_ledger():
     from trace_lib.stages.report import budget_text
 
     assert budget_text({"by_adapter": {"a": 96, "b": 32}, "discovery": 48, "synthesize": 144, "total": 320}) == (
-        "320 rollouts (48 discovery, 144 calibration, 128 training: a 96, b 32)")
+        "320 rollouts (48 discovery, 144 calibration and transfer checks, 128 training: a 96, b 32)")
     assert budget_text({"by_adapter": {}, "discovery": 48, "synthesize": 0, "total": 48}) == (
-        "48 rollouts (48 discovery, 0 calibration, 0 training)")
+        "48 rollouts (48 discovery, 0 calibration and transfer checks, 0 training)")
     assert budget_text(288) == "288 rollouts"

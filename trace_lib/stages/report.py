@@ -244,11 +244,13 @@ def what_ran(resolved: dict[str, Any] | None, metrics: dict[str, Any],
 
 
 def budget_text(budget: Any) -> str:
-    """TRACE's ledger in words: '288 rollouts (48 discovery, 144 calibration, 96 training: communicate_result 96)'."""
+    """TRACE's ledger in words: '320 rollouts (48 discovery, 176 calibration and transfer checks, 96 training:
+    communicate_result 96)'."""
     if not isinstance(budget, dict):
         return f"{budget} rollouts"
     adapters = budget.get("by_adapter") or {}
-    parts = [f"{budget.get('discovery', 0)} discovery", f"{budget.get('synthesize', 0)} calibration",
+    parts = [f"{budget.get('discovery', 0)} discovery",
+             f"{budget.get('synthesize', 0)} calibration and transfer checks",
              f"{sum(adapters.values())} training" + (": " + ", ".join(f"{k} {v}" for k, v in adapters.items())
                                                      if adapters else "")]
     return f"{budget.get('total')} rollouts ({', '.join(parts)})"
