@@ -55,24 +55,27 @@ def main() -> None:
     tasks = load_tasks(params.env, args.split, root)
     policy = load_policy(root / params.model.out_dir, dtype=params.model.dtype)
     cfg = eval_rollout_config(params.rollout, params.evaluate)
-    original = retail.load_policy_text()
+    load_policy_text = retail.load_policy_text  # what RetailEnv.system_prompt reads; put back after
+    original = load_policy_text()
     result: dict = {"split": args.split, "tasks": len(tasks), "variants": {}}
-    for name, lines in VARIANTS.items():
-        text = policy_variant(original, lines)
-        retail.load_policy_text = lambda text=text: text  # what RetailEnv.system_prompt reads
-        t0 = time.perf_counter()
-        trajs = evaluate_policy(policy, tasks, lambda: make_env(params.env), cfg, params.seed)
-        by_family: Counter = Counter()
-        words: Counter = Counter()
-        for traj in trajs:
-            family = traj.task_id.rsplit("-", 2)[0]
-            by_family[family] += int(traj.success)
-            answers = " ".join(m.content or "" for m in traj.messages if m.role == "assistant" and not m.tool_calls)
-            words.update(f"{family}:{s}" for s in STATUSES if re.search(rf"\b{s}\b", answers, re.I))
-        result["variants"][name] = {"successes": sum(by_family.values()), "families": dict(sorted(by_family.items())),
-                                    "status words said (episodes)": dict(sorted(words.items())),
-                                    "seconds": round(time.perf_counter() - t0, 1)}
-    retail.load_policy_text = lambda: original
+    try:
+        for name, lines in VARIANTS.items():
+            text = policy_variant(original, lines)
+            retail.load_policy_text = lambda text=text: text
+            t0 = time.perf_counter()
+            trajs = evaluate_policy(policy, tasks, lambda: make_env(params.env), cfg, params.seed)
+            by_family: Counter = Counter()
+            words: Counter = Counter()
+            for traj in trajs:
+                by_family[traj.family] += int(traj.success)
+                answers = " ".join(m.content or "" for m in traj.messages if m.role == "assistant" and not m.tool_calls)
+                words.update(f"{traj.family}:{s}" for s in STATUSES if re.search(rf"\b{s}\b", answers, re.I))
+            result["variants"][name] = {"successes": sum(by_family.values()),
+                                        "families": dict(sorted(by_family.items())),
+                                        "status words said (episodes)": dict(sorted(words.items())),
+                                        "seconds": round(time.perf_counter() - t0, 1)}
+    finally:
+        retail.load_policy_text = load_policy_text
     print(json.dumps(result, indent=1))
 
 

@@ -55,22 +55,29 @@ def test_template_stage_installs_valid_envs_and_records_the_rest(tmp_path):
         valid_envs(tmp_path)
 
 
-def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
-    """The failed target episodes behind communicate_result asked a total and a tracking number: its module draws
-    those kinds, by those weights; `kinds` given outright replaces what the evidence says."""
+def _failed_on_first_three(params, root):
+    """The target's train tasks, written as the rollout stage writes them, and failed base episodes of the first three
+    (the evidence a capability cites), written too."""
     from trace_lib.envs import make_tasks
     from trace_lib.records import Trajectory
 
-    params = params_from_dict({"analyst": {"backend": "rules"}, "synthesize": NO_CALIBRATION,
-                               "env": {"families": ["order_total", "order_tracking"], "tasks_per_family": 2}})
     tasks = make_tasks(params.env, "train")
-    write_jsonl(tmp_path / "data/rollouts/tasks-train.jsonl", tasks)
+    write_jsonl(root / "data/rollouts/tasks-train.jsonl", tasks)
     evidence = [Trajectory(id=f"{t.id}#0", task_id=t.id, env="retail", family=t.family, split="train", policy_id="p",
                            seed=0, messages=[], reward=0.0, success=False, termination="user_stop", tool_calls=0,
                            invalid_actions=0, tool_errors=0, turns=0, prompt_tokens=0, completion_tokens=0)
                 for t in tasks[:3]]
+    write_jsonl(root / "data/rollouts/train.jsonl", evidence)
+    return tasks, evidence
+
+
+def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
+    """The failed target episodes behind communicate_result asked a total and a tracking number: its module draws
+    those kinds, by those weights; `kinds` given outright replaces what the evidence says."""
+    params = params_from_dict({"analyst": {"backend": "rules"}, "synthesize": NO_CALIBRATION,
+                               "env": {"families": ["order_total", "order_tracking"], "tasks_per_family": 2}})
+    _, evidence = _failed_on_first_three(params, tmp_path)
     cap = _cap("communicate_result").model_copy(update={"evidence": [e.id for e in evidence]})
-    write_jsonl(tmp_path / "data/rollouts/train.jsonl", evidence)
     write_jsonl(tmp_path / "data/score/kept.jsonl", [cap])
     assert run_synthesize(params, tmp_path)["valid"] == 1
     (manifest,) = valid_envs(tmp_path)
@@ -104,8 +111,6 @@ def test_a_calibrated_environment_records_its_transfer_check_and_charges_it(tmp_
     """A band every rate is in: the first setting fits; the base model then plays the failed target tasks behind the
     capability (two of its three, by `transfer_tasks`) from that start, and those episodes are charged too."""
     from trace_lib.budget import total_rollouts
-    from trace_lib.envs import make_tasks
-    from trace_lib.records import Trajectory
 
     params = params_from_dict({"analyst": {"backend": "rules"},
                                "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
@@ -114,13 +119,7 @@ def test_a_calibrated_environment_records_its_transfer_check_and_charges_it(tmp_
                                "synthesize": {"difficulty": 0, "calibration": {
                                    "enabled": True, "seeds": 2, "samples": 2, "success_lo": 0.0,
                                    "min_mixed": 0.0, "transfer_tasks": 2}}})
-    tasks = make_tasks(params.env, "train")
-    write_jsonl(tmp_path / "data/rollouts/tasks-train.jsonl", tasks)
-    evidence = [Trajectory(id=f"{t.id}#0", task_id=t.id, env="retail", family=t.family, split="train", policy_id="p",
-                           seed=0, messages=[], reward=0.0, success=False, termination="user_stop", tool_calls=0,
-                           invalid_actions=0, tool_errors=0, turns=0, prompt_tokens=0, completion_tokens=0)
-                for t in tasks[:3]]
-    write_jsonl(tmp_path / "data/rollouts/train.jsonl", evidence)
+    tasks, evidence = _failed_on_first_three(params, tmp_path)
     write_jsonl(tmp_path / "data/score/kept.jsonl",
                 [_cap("communicate_result").model_copy(update={"evidence": [e.id for e in evidence]})])
     env = run_synthesize(params, tmp_path)["envs"]["communicate_result"]

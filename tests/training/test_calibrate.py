@@ -102,10 +102,10 @@ def test_the_tasks_behind_a_capability_are_its_evidence_failures_taken_in_turn_f
 def test_the_transfer_check_plays_each_task_behind_it_and_counts_per_family(scripted):
     tasks = [kv_task(1, "read"), kv_task(2, "read"), kv_task(3, "write")]
     source = TrainSource("target", lambda: KVEnv(max_steps=3), kv_tasks, reference=reference_steps)
-    out = transfer_check(scripted, source, tasks, False, 2, TrainConfig(**FAST), seed=0)
+    out = transfer_check(scripted, source, tasks, False, CalibrationConfig(samples=2), TrainConfig(**FAST), seed=0)
     assert (out["start"], out["tasks"], out["rollouts"]) == ("opening", [t.id for t in tasks], 6)
     assert sorted(out["by_family"]) == ["read", "write"] and out["by_family"]["read"].endswith("/4")
     assert out["successes"] == sum(int(kn.split("/")[0]) for kn in out["by_family"].values())
     assert out["success"] == round(out["successes"] / 6, 4) and 0 <= out["mixed_groups"] <= 1
-    late = transfer_check(scripted, source, tasks, True, 2, TrainConfig(**FAST), seed=0)
+    late = transfer_check(scripted, source, tasks, True, CalibrationConfig(samples=2), TrainConfig(**FAST), seed=0)
     assert late["start"] == "reads played" and late["rollouts"] == 6

@@ -84,7 +84,7 @@ def calibrated(manifest: SyntheticEnvManifest, params: Params, root: Path, polic
                            cfg, params.train, params.synthesize.difficulty, params.seed, (knob["min"], knob["max"]))
     if result["ok"] and behind:
         result["transfer"] = transfer_check(policy, target_source(params, root), behind, result["start_late"] >= 1.0,
-                                            cfg.samples, params.train, params.seed)
+                                            cfg, params.train, params.seed)
     ledger.add("synthesize", result["rollouts"] + result.get("transfer", {}).get("rollouts", 0),
                key=manifest.capability_id)
     env_dir = Paths(root).env_dir(manifest.capability_id)

@@ -31,6 +31,11 @@ CALIBRATION_SEED0 = 900_000
 and the evaluation's held-out seeds (`evaluation.runner.INTERFERENCE_SEED0`)."""
 
 
+def start_name(late: bool) -> str:
+    """How a start is named in records: 'reads played' or 'opening'."""
+    return "reads played" if late else "opening"
+
+
 @dataclass(frozen=True)
 class Setting:
     """Where the environment's episodes start: its generator's difficulty, and whether the reads are played."""
@@ -40,7 +45,7 @@ class Setting:
 
     @property
     def start(self) -> str:
-        return "reads played" if self.late else "opening"
+        return start_name(self.late)
 
 
 def ladder(lowest: int, highest: int) -> list[Setting]:
@@ -108,23 +113,22 @@ def tasks_behind(evidence: Sequence[Trajectory], cited: Sequence[str], tasks: Se
     return out[:n]
 
 
-def transfer_check(policy: Any, source: TrainSource, tasks: Sequence[Task], late: bool, samples: int,
+def transfer_check(policy: Any, source: TrainSource, tasks: Sequence[Task], late: bool, cfg: CalibrationConfig,
                    train: TrainConfig, seed: int) -> dict[str, Any]:
-    """The base model on target tasks behind a capability (`tasks_behind`), `samples` episodes each at
+    """The base model on target tasks behind a capability (`tasks_behind`), `cfg.samples` episodes each at
     `train.temperature` from the start its environment trains at: whether the target's own failures give GRPO a
     signal there. Recorded beside the calibration, never a gate."""
-    outcomes = play_groups(policy, source, list(enumerate(tasks)), late, samples, train, seed)
+    outcomes = play_groups(policy, source, list(enumerate(tasks)), late, cfg.samples, train, seed)
     by_family: dict[str, list[int]] = {}
     for task, group in zip(tasks, outcomes, strict=True):
-        k_n = by_family.setdefault(task.family, [0, 0])
-        k_n[0] += sum(group)
-        k_n[1] += len(group)
-    n = sum(map(len, outcomes))
-    k = sum(map(sum, outcomes))
-    return {"start": "reads played" if late else "opening", "tasks": [t.id for t in tasks], "rollouts": n,
-            "successes": k, "success": round(k / n, 4) if n else 0.0,
-            "mixed_groups": round(sum(0 < sum(g) < len(g) for g in outcomes) / len(outcomes), 4) if outcomes else 0.0,
-            "by_family": {fam: f"{k}/{m}" for fam, (k, m) in sorted(by_family.items())}}
+        solved_played = by_family.setdefault(task.family, [0, 0])
+        solved_played[0] += sum(group)
+        solved_played[1] += len(group)
+    judged = judge(outcomes, cfg)
+    return {"start": start_name(late), "tasks": [t.id for t in tasks], "rollouts": sum(map(len, outcomes)),
+            "successes": sum(map(sum, outcomes)), "success": judged["success"],
+            "mixed_groups": judged["mixed_groups"],
+            "by_family": {fam: f"{solved}/{played}" for fam, (solved, played) in sorted(by_family.items())}}
 
 
 def calibrate(policy: Any, source_at: Callable[[int], TrainSource], cfg: CalibrationConfig, train: TrainConfig,
