@@ -456,6 +456,15 @@ class TrainConfig(Section):
     the prompt, not trained: all of them at the first iteration, fewer as training goes on, then none
     (training/grpo.py: `leading_steps`, `preplay_count`). A start near the goal gives a weak policy rewards
     to learn from, and each such rollout is a short one. 0: off."""
+    reference_samples: int = Field(0, ge=0)
+    """Off-policy guidance: this many samples of each GRPO group are the task's reference episode (the
+    environment's reference solution played through it, with its scripted user) instead of a sampled one, trained
+    with the group's advantage at importance ratio 1 (training/grpo.py: `play_reference`). A reference that does
+    not earn full reward is skipped, counted, and its slot sampled. LUFFY (arXiv 2504.14945) and ToolExpander
+    (arXiv 2510.07737) mix expert traces into groups where on-policy reward stays at zero. 0: off."""
+    reference_when: Literal["always", "all_failed"] = "always"
+    """'always': every group carries its references; 'all_failed': only groups whose sampled episodes all failed
+    (the other groups sample those slots too)."""
     constrained: bool = True
     tool_choice: Literal["auto", "first", "required"] = "first"
     continuous_batching: bool = True
@@ -513,6 +522,12 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _processes_get_whole_groups(self) -> TrainConfig:
+        if self.reference_samples >= self.group_size:
+            raise ValueError(f"train.reference_samples ({self.reference_samples}) must be below train.group_size "
+                             f"({self.group_size}): a group keeps at least one sampled episode")
+        if self.reference_samples and self.reference_when == "all_failed" and self.lockstep:
+            raise ValueError("train.reference_when: all_failed samples a second round per iteration, which "
+                             "train.lockstep cannot; use 'always' or lockstep: false")
         if self.processes > 1 and self.groups % self.processes:
             raise ValueError(f"train.groups ({self.groups}) must be a multiple of train.processes ({self.processes}):"
                              " each process trains whole groups")

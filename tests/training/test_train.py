@@ -29,8 +29,11 @@ from trace_lib.training.grpo import (
     drop_masked_rows,
     leading_steps,
     loss_mask,
+    play,
+    play_reference,
     preplay_count,
     preplayed_opening,
+    start_episode,
     trajectory_reward,
 )
 from trace_lib.training.hints import HINT_CLOSE, HINT_OPEN, reference_steps
@@ -1201,3 +1204,121 @@ def test_the_baselines_get_tracess_discovery_and_calibration_even_when_no_enviro
     metrics = stage.run_train(params, tmp_path)
     assert budgets == {"grpo_target": (147, 146, params.train.start_late), "grpo_target_late": (147, 146, 1.0)}
     assert metrics["trace_budget"] == 147 and metrics["baselines_skipped"] == {}
+
+
+# --- reference samples (train.reference_samples) ----------------------------------------------------
+KV_REFERENCE = lambda task: reference_steps(task)  # noqa: E731  (get_value, then "The answer: <value>")
+
+
+def run_reference_rollout(policy, prompts, reference=KV_REFERENCE, **cfg_kw):
+    cfg = TrainConfig(**{**FAST, "filter_lookup_only": False, **cfg_kw})
+    spent = []
+    ro = AgentRollout(policy, [TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, reference=reference)], cfg,
+                      make_reward(cfg.reward), spent.append, seed=0)
+    out = ro(prompts, SimpleNamespace(state=SimpleNamespace(global_step=0)))
+    return ro, out, spent
+
+
+def test_a_reference_sample_has_the_token_ids_the_policy_would_have_sampled(scripted):
+    cfg = TrainConfig(**{**FAST, "filter_lookup_only": False})
+    task = kv_tasks([1001])[0]
+    sampled = start_episode(scripted, "kv", 1001, task, 0, KVEnv(max_steps=3))
+    play(scripted, [sampled], cfg, seed=0)  # batch row 0: looks k1 up, then says "The value is 10."
+    said = [m for m in sampled.context if m.role == "assistant"]
+    steps = [{"tool": "get_value", "arguments": {"key": "k1"}}, {"say": said[1].content}]
+    ref = start_episode(scripted, "kv", 1001, task, 1, KVEnv(max_steps=3))
+    assert play_reference(scripted, ref, steps, cfg) and ref.reference
+    assert ref.prompt_ids == sampled.prompt_ids
+    assert ref.completion_ids == sampled.completion_ids and ref.agent_mask == sampled.agent_mask
+    assert ref.turns == sampled.turns and ref.context == sampled.context
+    assert ref.env.reward() == sampled.env.reward() and ref.env.reward()[0] == 1.0
+    # the trained sequence is the template's rendering of the conversation, token for token
+    text = scripted.tokenizer.decode(ref.prompt_ids + ref.completion_ids)
+    rendered = scripted.render(ref.context, ref.env.tool_schemas())  # it ends with the agent's answer
+    want = text + "\n<|im_start|>assistant\n"
+    i = next((i for i, (a, b) in enumerate(zip(rendered, want)) if a != b), min(len(rendered), len(want)))
+    assert rendered == want, (rendered[i - 80:i + 80], want[i - 80:i + 80])
+
+
+def test_reference_samples_join_each_group_with_the_environments_reward_and_their_tokens_in_the_loss(scripted):
+    # k3 and k6 make the scripted policy look up forever (reward 0); their references answer (reward 1)
+    ro, out, spent = run_reference_rollout(scripted, ["kv:1003"] * 2 + ["kv:1006"] * 2, reference_samples=1)
+    assert spent == [4]  # a reference is a rollout
+    assert [ep.reference for ep in ro.last] == [False, True, False, True]
+    assert out["reward"] == [0.0, 1.0, 0.0, 1.0] and out["success"] == [False, True, False, True]
+    ref = ro.last[1]
+    assert out["env_mask"][1] == ref.agent_mask and sum(out["env_mask"][1]) > 0  # its group is mixed: trained
+    assert ref.env.reward()[0] == 1.0 and "The answer: 30" in scripted.tokenizer.decode(out["completion_ids"][1])
+    stats = ro.stats[0]
+    assert stats["references"] == 2 and stats["reference_skipped"] == 0
+    assert stats["success_rate_on_policy"] == 0.0 and stats["success_rate"] == 0.5
+    assert stats["frac_groups_mixed_by_reference"] == 1.0 and stats["frac_reward_zero_std"] == 0.0
+
+
+def test_a_broken_reference_is_skipped_counted_and_its_slot_sampled(scripted):
+    bad_call = lambda task: [{"tool": "get_value", "arguments": {"key": "nope"}}, {"say": "0"}]  # noqa: E731
+    wrong_answer = lambda task: [{"tool": "get_value", "arguments": {"key": "k1"}}, {"say": "I do not know."}]  # noqa: E731
+    for reference in (bad_call, wrong_answer):
+        ro, out, spent = run_reference_rollout(scripted, ["kv:1003"] * 2 + ["kv:1001"] * 2, reference=reference,
+                                               reference_samples=1)
+        assert spent == [4] and not any(ep.reference for ep in ro.last)
+        assert ro.stats[0]["reference_skipped"] == 2 and ro.stats[0]["references"] == 0
+        assert all(ep.env.done and ep.turns for ep in ro.last)  # every slot was sampled instead
+        assert "nope" not in "".join(scripted.tokenizer.decode(c) for c in out["completion_ids"])
+
+
+def test_reference_when_all_failed_guides_only_the_groups_without_a_success(scripted):
+    # batch row 0 (k1) answers right, row 1 (k3) looks up forever; k1's second slot is sampled in a second round
+    ro, out, spent = run_reference_rollout(scripted, ["kv:1001"] * 2 + ["kv:1003"] * 2, reference_samples=1,
+                                           reference_when="all_failed")
+    assert [ep.reference for ep in ro.last] == [False, False, False, True]
+    assert out["reward"] == [1.0, 1.0, 0.0, 1.0] and spent == [4]
+    assert all(ep.env.done and ep.turns for ep in ro.last) and ro.stats[0]["references"] == 1
+
+
+def test_reference_samples_leave_a_sampled_episode_in_each_group_and_lockstep_refuses_all_failed():
+    with pytest.raises(ValueError, match="reference_samples"):
+        TrainConfig(group_size=4, reference_samples=4)
+    with pytest.raises(ValueError, match="all_failed"):
+        TrainConfig(group_size=4, reference_samples=1, reference_when="all_failed", lockstep=True)
+
+
+def test_a_reference_is_trained_with_its_groups_advantage(tiny_model_dir, tmp_path, monkeypatch):
+    seen = []
+    original = AgentGRPOTrainer.compute_loss
+
+    def spy(self, model, inputs, *args, **kwargs):
+        seen.append({k: inputs[k].clone() for k in ("advantages", "completion_ids", "completion_mask")})
+        return original(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(AgentGRPOTrainer, "compute_loss", spy)
+    cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 4, "iterations": 1, "reference_samples": 1})
+    never = lambda task: [{"tool": "escalate", "arguments": {}}]  # noqa: E731
+    manifest = train_adapter_mixture(
+        tiny_model_dir, [TrainSource("pick", lambda: PickEnv(target="escalate"), pick_tasks, reference=never)], cfg,
+        tmp_path / "adapter", seed=0, ledger=RolloutLedger(tmp_path / "ledger.jsonl"), name="pick")
+    assert manifest.rollouts_used == 4 and manifest.config["train"]["reference_samples"] == 1
+    row = read_train_log(tmp_path / "adapter")[0]
+    assert row["references"] == 1 and row["reference_skipped"] == 0
+    batch = {k: torch.cat([s[k] for s in seen]) if k == "advantages" else [r for s in seen for r in s[k]]
+             for k in seen[0]}
+    tok_texts = [read_tokens(tiny_model_dir, ids, mask) for ids, mask in zip(batch["completion_ids"],
+                                                                             batch["completion_mask"], strict=True)]
+    refs = [i for i, t in enumerate(tok_texts) if '"name": "escalate"' in t]
+    assert refs, tok_texts
+    rewards = torch.tensor([1.0 if '"name": "escalate"' in t else 0.0 for t in tok_texts])
+    expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)  # TRL: group-normalised
+    assert torch.allclose(batch["advantages"].flatten().float(), expected, atol=1e-3)
+
+
+def read_tokens(model_dir, ids, mask) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tok.decode([int(i) for i, m in zip(ids, mask, strict=True) if m])
+
+
+def test_a_training_without_reference_samples_records_its_config_as_before(tiny_model_dir, tmp_path):
+    manifest, _ = train(tiny_model_dir, tmp_path, iterations=1)
+    assert "reference_samples" not in manifest.config["train"] and "reference_when" not in manifest.config["train"]
+    assert "references" not in read_train_log(tmp_path / "adapter")[0]

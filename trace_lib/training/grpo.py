@@ -37,6 +37,20 @@ a played question, the user's reply); their `prompt_ids` (what is trained) are t
 their completion the guided episode's turns, so the gradient is taken as if the policy had acted that way
 unguided. A source without a `hint` function, or a task whose hint is None, plays every sample unguided.
 
+Reference samples (`train.reference_samples`, off-policy guidance as in LUFFY arXiv 2504.14945 and ToolExpander
+arXiv 2510.07737): the last r samples of each group are the task's reference solution (`TrainSource.reference`: a
+synthesized environment's `solve(task)`, a target task's gold actions then its required outputs said), played through
+the environment and its scripted user from the start the group's episodes take (`play_reference`). Each step's tokens
+are the template's rendering of that message (`reference_turn_ids`), the tokens the policy emits when it samples the
+same message, and go through the sampled turns' path (`_apply_turn`: loss mask, lookup-only filter, result cuts). Its
+reward is the environment's own; a reference short of full reward is skipped, counted (`reference_skipped`), and its
+slot sampled. With `reference_when: all_failed` only groups whose sampled episodes all failed get references, the
+other groups' reference slots are sampled in a second round. The off-policy tokens need no ratio of their own: with
+one optimizer step per batch TRL's old log-probs are the current policy's, detached, so every token's ratio is 1
+and clipping never acts; a reference token's gradient is its group's advantage times ∇log π, an advantage-weighted
+cross-entropy. LUFFY's shaping f(π) = π/(π+γ) exists to lift the vanishing weight π of low-probability tokens under a
+true importance ratio; at ratio 1 that weight is already 1, so no shaping is applied.
+
 Reverse curriculum (`train.start_late`, a share R of the N = `train.iterations`): at iteration i < L =
 ceil(R·N) an episode starts after the first ceil(n·(L-i)/L) of the n leading steps of the task's reference
 solution (`TrainSource.reference`, `leading_steps`): its read-tool calls and what it says to the user, up
@@ -139,6 +153,8 @@ class Episode:
     """The environment's multi-level verdict ({"steps", "gates"}), when it gives one."""
     reward: float = 0.0
     success: bool = False
+    reference: bool = False
+    """Whether the agent's turns are the task's reference solution (`play_reference`), not sampled."""
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -288,6 +304,64 @@ def start_episode(policy: Policy, source: str, seed: int, task: Task, sample: in
     prompt = policy.encode(policy.render(opening, tools))
     guided = None if hint is None else policy.encode(policy.render(with_hint(opening, hint), tools))
     return Episode(source, seed, sample, env, prompt, list(opening), sample_prompt_ids=guided, preplayed=preplayed)
+
+
+def reference_message(step: Any, turn: int) -> Message | None:
+    """One reference step ({"tool"|"name", "arguments"} or {"say": text}) as the agent's message at assistant turn
+    `turn` (call ids as the parser numbers them); None for a step in no known form."""
+    if not isinstance(step, dict):
+        return None
+    name, args = step.get("tool", step.get("name")), step.get("arguments", {})
+    if name is None and "say" in step:
+        text = step["say"]
+        return Message(role="assistant", content=text) if isinstance(text, str) and text.strip() else None
+    if not isinstance(name, str) or not name or not isinstance(args, dict):
+        return None
+    return Message(role="assistant", tool_calls=[ToolCall(id=f"call_{turn}_0", name=name, arguments=args)])
+
+
+def reference_turn_ids(policy: Policy, context: list[Message], msg: Message, tools: list) -> list[int]:
+    """The token ids of `msg` as the agent's turn after `context`: the chat template's rendering of it up to and
+    including its end-of-turn token, i.e. what the policy emits when it samples this message there (the grammar
+    and the parser read the same canonical form, `engine/chat.render_call`)."""
+    before = policy.render(context, tools)
+    after = policy.render([*context, msg], tools)
+    if not after.startswith(before):
+        raise RuntimeError("chat template is not prefix-stable across turns; cannot build multi-turn samples")
+    rest = after[len(before):]
+    end = rest.find(TURN_END)
+    if end < 0:
+        raise RuntimeError("the chat template ends an assistant turn without " + TURN_END)
+    return policy.encode(rest[:end + len(TURN_END)])
+
+
+def play_reference(policy: Policy, ep: Episode, steps: Sequence[Any], cfg: TrainConfig) -> bool:
+    """Play `steps` (a reference solution, after the steps the episode started with) as the agent's turns of `ep`,
+    through the same path as sampled turns (`_apply_turn`: the environment and its scripted user answer, results
+    are cut as for a sampled turn, the loss mask is the agent's tokens); marks `ep` a reference episode.
+
+    False when a step is in no known form, the environment refuses it, or the episode ends before the last step:
+    the reference is broken there. Whether it earns full reward is the caller's check (`env.reward`)."""
+    tools = ep.env.tool_schemas()
+    ep.reference = True
+    for step in steps:
+        if ep.env.done:
+            return False
+        msg = reference_message(step, sum(1 for m in ep.context if m.role == "assistant"))
+        if msg is None:
+            return False
+        calls = ep.env.state.tool_errors if ep.env.state is not None else 0
+        _apply_turn(policy, ep, reference_turn_ids(policy, ep.context, msg, tools), "stop", cfg.tool_result_tokens,
+                    cfg.filter_lookup_only)
+        assert ep.env.state is not None
+        if ep.env.state.tool_errors > calls or ep.env.state.invalid_actions:
+            return False
+    return bool(steps)
+
+
+def reference_slots(group_size: int, n: int) -> list[int]:
+    """Which samples (0..K-1) of a group are reference episodes (`train.reference_samples`): the last n."""
+    return list(range(group_size - n, group_size)) if n > 0 else []
 
 
 def _turn_processor(policy: Policy, cfg: TrainConfig, batch: Sequence[Episode]) -> Any:
@@ -504,11 +578,19 @@ class AgentRollout:
         self.policy.clear_prefix_cache()  # the weights changed since the last iteration
         try:
             episodes = self._start(prompts, iteration)
-            if self.sampler is None:
-                with self._folded():
-                    timing = play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration)
-            else:
-                timing = self.sampler.play(self.name, episodes, self.cfg, iteration)
+            skipped = 0
+            if self.cfg.reference_samples and self.cfg.reference_when == "always":
+                skipped = self._references(episodes, range(0, len(episodes), self.cfg.group_size))
+            # with 'all_failed' the reference slots wait until their group's sampled episodes are scored
+            later = set(reference_slots(self.cfg.group_size, self.cfg.reference_samples)) \
+                if self.cfg.reference_when == "all_failed" else set()
+            timing = self._play([ep for ep in episodes if not ep.reference and ep.sample not in later], iteration)
+            if self.cfg.reference_samples and self.cfg.reference_when == "all_failed":
+                skipped = self._references(episodes, self._failed_groups(episodes))
+                rest = [ep for ep in episodes if not ep.reference and not ep.env.done]
+                if rest:  # the reference slots of groups with a success: sampled like the rest
+                    more = self._play(rest, iteration, call=1)
+                    timing = {k: v + more.get(k, 0) for k, v in timing.items()}
         finally:
             model.train(was_training)
         for ep in episodes:
@@ -524,7 +606,8 @@ class AgentRollout:
         self.on_rollouts(len(done))
         epoch = self.reward.end_epoch([d["tool_calls"] for d in done if d["success"]])
         self.last = episodes
-        self.stats[iteration] = {**iteration_stats(done),
+        extra = {} if not self.cfg.reference_samples else reference_stats(done, self.cfg.group_size, skipped)
+        self.stats[iteration] = {**iteration_stats(done), **extra,
                                  "tool_calls_correct": epoch["tool_calls_correct"], "l_t": epoch["l_t"],
                                  "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0}}
         rewards = [ep.reward for ep in episodes]
@@ -537,6 +620,49 @@ class AgentRollout:
             "success": [ep.success for ep in episodes],
             "tool_calls": [ep.tool_calls for ep in episodes],
         }
+
+    def _play(self, episodes: list[Episode], iteration: int, call: int = 0) -> dict[str, float]:
+        """Sample the episodes to their end on the current adapter (or through the lockstep sampler)."""
+        if self.sampler is not None:
+            return self.sampler.play(self.name, episodes, self.cfg, iteration)
+        with self._folded():
+            return play(self.policy, episodes, self.cfg, seed=self.seed * 1_000_003 + iteration + 7919 * call)
+
+    def _failed_groups(self, episodes: list[Episode]) -> list[int]:
+        """The first row of each group whose sampled (played) episodes all failed."""
+        k, slots = self.cfg.group_size, set(reference_slots(self.cfg.group_size, self.cfg.reference_samples))
+        return [g for g in range(0, len(episodes), k)
+                if all(ep.env.reward()[0] < 1.0 for ep in episodes[g:g + k] if ep.sample not in slots)]
+
+    def _references(self, episodes: list[Episode], groups: Sequence[int]) -> int:
+        """Turn the reference slots of the groups starting at `groups` into reference episodes; a slot whose
+        reference fails (broken, or short of full reward) is started afresh, to be sampled. Returns how many
+        references were skipped so."""
+        slots = set(reference_slots(self.cfg.group_size, self.cfg.reference_samples))
+        solutions: dict[tuple[str, int], list[Any]] = {}
+        skipped = 0
+        for g in groups:
+            for i in range(g, g + self.cfg.group_size):
+                ep = episodes[i]
+                if ep.sample not in slots:
+                    continue
+                source, key = self.sources[ep.source], (ep.source, ep.seed)
+                if key not in solutions:
+                    solutions[key] = list(source.reference(self._tasks[key])) if source.reference else []
+                steps = solutions[key][ep.preplayed:]
+                if play_reference(self.policy, ep, steps, self.cfg) and ep.env.reward()[0] >= 1.0:
+                    continue
+                skipped += 1
+                episodes[i] = self._episode(key, ep.sample, guided=False)
+        return skipped
+
+    def _episode(self, key: tuple[str, int], sample: int, guided: bool, env: Environment | None = None) -> Episode:
+        """A new episode of the group `key` for sample `sample`, from the start the iteration's episodes take."""
+        source, task = self.sources[key[0]], self._tasks[key]
+        env = source.make_env() if env is None else env
+        hint = _cached_guidance(self._hints, key, source, task) if guided and source.hint else None
+        env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
+        return start_episode(self.policy, key[0], key[1], task, sample, env, hint=hint, preplay=self._preplay[key])
 
     def _start(self, prompts: list[Any], iteration: int = 0) -> list[Episode]:
         keys = [parse_key(p) for p in prompts]
@@ -551,23 +677,20 @@ class AgentRollout:
             if len(made) != len(seeds):
                 raise ValueError(f"make_tasks({seeds}) for {source!r} returned {len(made)} tasks")
             tasks.update({(source, s): t for s, t in zip(seeds, made, strict=True)})
-        guided = set(hinted_samples(self.cfg.group_size, self.cfg.hint_fraction))
-        hints: dict[tuple[tuple[str, int], int], str | None] = {}
-        preplay: dict[tuple[str, int], list[PlayedStep]] = {}
+        # the hint swap guides the last of the sampled slots; the reference slots come after them
+        guided = set(hinted_samples(self.cfg.group_size - self.cfg.reference_samples, self.cfg.hint_fraction))
+        self._tasks, self._hints, self._preplay = tasks, {}, {}
         episodes, sample = [], 0
         for i, key in enumerate(keys):
             sample = sample + 1 if i and keys[i - 1] == key else 0
             source = self.sources[key[0]]
             env = source.make_env()
-            if key not in preplay:
+            if key not in self._preplay:
                 late = lambda n: preplay_count(iteration, self.cfg.iterations, self.cfg.start_late, n)  # noqa: E731
                 steps = (leading_steps(source.reference(tasks[key]), env.tool_kinds())
                          if source.reference and late(1) else [])
-                preplay[key] = steps[:late(len(steps))]
-            hint = _cached_guidance(hints, key, source, tasks[key]) if sample in guided and source.hint else None
-            env.max_steps = min(env.max_steps, self.cfg.max_steps_per_episode)  # the trainer's cap on turns
-            episodes.append(start_episode(self.policy, key[0], key[1], tasks[key], sample, env,
-                                          hint=hint, preplay=preplay[key]))
+                self._preplay[key] = steps[:late(len(steps))]
+            episodes.append(self._episode(key, sample, guided=sample in guided, env=env))
         return episodes
 
     fold_lora: bool = True
@@ -609,7 +732,8 @@ def _summary(ep: Episode, trained_tokens: int, group_dropped: bool) -> dict[str,
     """What the iteration's statistics need of one scored episode (picklable, for `distributed.gather`)."""
     return {"reward": ep.reward, "success": ep.success, "hinted": ep.hinted, "env_reward": ep.env_reward,
             "rubric": ep.rubric, "tool_calls": ep.tool_calls, "agent_tokens": ep.agent_tokens,
-            "trained_tokens": trained_tokens, "group_dropped": group_dropped, "preplayed": ep.preplayed}
+            "trained_tokens": trained_tokens, "group_dropped": group_dropped, "preplayed": ep.preplayed,
+            "reference": ep.reference}
 
 
 def iteration_stats(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -618,7 +742,7 @@ def iteration_stats(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rewards = [d["reward"] for d in done]
     mean = sum(rewards) / n
     guided = [d for d in done if d["hinted"]]
-    unguided = [d for d in done if not d["hinted"]]
+    unguided = [d for d in done if not d["hinted"] and not d.get("reference")]
     return {
         "reward": mean,
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / max(1, n - 1)) ** 0.5,
@@ -637,6 +761,22 @@ def iteration_stats(done: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "trained_tokens": sum(d["trained_tokens"] for d in done),
         "rollouts": n,
     }
+
+
+def reference_stats(done: Sequence[dict[str, Any]], group_size: int, skipped: int) -> dict[str, Any]:
+    """The train log's statistics of the reference samples (`train.reference_samples`) of one iteration: how many
+    there were and were skipped, on-policy success (the sampled, unguided episodes alone), and the share of groups
+    whose rewards only the references made mixed."""
+    groups = [done[g:g + group_size] for g in range(0, len(done), group_size)]
+
+    def spread(rows: Sequence[dict[str, Any]]) -> bool:
+        return bool(rows) and max(r["reward"] for r in rows) - min(r["reward"] for r in rows) > 1e-9
+
+    sampled = [d for d in done if not d.get("reference") and not d["hinted"]]
+    by_reference = [spread(g) and not spread([d for d in g if not d.get("reference")]) for g in groups]
+    return {"references": sum(bool(d.get("reference")) for d in done), "reference_skipped": skipped,
+            "success_rate_on_policy": sum(d["success"] for d in sampled) / len(sampled) if sampled else None,
+            "frac_groups_mixed_by_reference": sum(by_reference) / len(groups) if groups else None}
 
 
 def trajectory_reward(prompts: list[Any], completions: list[Any], reward: list[float], **_: Any) -> list[float]:

@@ -94,11 +94,14 @@ LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "too
             "l_t", "completion_tokens", "completion_length", "trained_tokens", "hinted", "success_rate_unhinted",
             "success_rate_hinted", "env_score", "rubric", "preplayed_steps")
 """Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
-EXTRA_LOG_KEYS = ("distill_kl",)
+EXTRA_LOG_KEYS = ("distill_kl", "references", "reference_skipped", "success_rate_on_policy",
+                  "frac_groups_mixed_by_reference")
 """Statistics only some trainings have. Distillation: `distill_kl`, the mean log π_student − log π_teacher of
 the trained tokens before the step (the authors log its negative as `gap`): a sample of the reverse KL (the
 student samples at temperature 1), which falls as the student matches its teachers; under grammar-constrained
-sampling the tokens come from the masked distribution, so it can be negative."""
+sampling the tokens come from the masked distribution, so it can be negative. Reference samples
+(`train.reference_samples`, `grpo.reference_stats`): their count, the references skipped, on-policy success without
+them, and the share of groups only they made mixed."""
 TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
             "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
 
@@ -465,11 +468,18 @@ def _round(v: Any) -> Any:
     return round(v, 6) + 0.0 if isinstance(v, float) else v  # + 0.0: no "-0.0" in the log
 
 
+def train_record(cfg: TrainConfig, exclude: set[str] = frozenset()) -> dict[str, Any]:
+    """The train config as a manifest and a checkpoint's fingerprint record it; the reference-sample fields are left
+    out while they are off, so a training without them records what it recorded before they existed."""
+    off = {"reference_samples", "reference_when"} if not cfg.reference_samples else set()
+    return cfg.model_dump(mode="json", exclude=set(exclude) | off)
+
+
 def _fingerprint(cfg: TrainConfig, sources: Sequence[TrainSource], seed: int, env_sha256: str,
                  resume_key: str) -> str:
     """What a checkpoint is only valid under: the train config, seed, sources and the caller's key."""
     # what trains after this adapter (baselines, the distilled student) does not change it
-    train = cfg.model_dump(mode="json", exclude={"baselines", "distill"})
+    train = train_record(cfg, exclude={"baselines", "distill"})
     what = {"train": train, "seed": seed, "sources": {s.name: s.weight for s in sources},
             "env_sha256": env_sha256, "resume_key": resume_key}
     return hashlib.sha256(dumps_json(what).encode("utf-8")).hexdigest()
@@ -629,7 +639,7 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         capability_id=name, path=str(out_dir), base_model=base_id, env_sha256=env_sha256, backend=backend,
         rollouts_used=ledger.used(STAGE, name), iterations=len(run["log"]),
         final_reward=run["log"][-1]["reward"] if run["log"] else None,
-        config={"train": cfg.model_dump(mode="json"), "seed": seed,
+        config={"train": train_record(cfg), "seed": seed,
                 "sources": {s.name: s.weight for s in sources}, "budget": budget,
                 **({"teachers": {k: Path(v).as_posix() for k, v in sorted(teachers.items())},
                     "teachers_digest": teachers_digest} if teachers is not None else {})},
