@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--synthetic-n", type=int, default=16, help="held-out synthetic tasks")
     ap.add_argument("--target-n", type=int, default=8, help="target tasks per family")
-    ap.add_argument("--target-split", default="train")
+    ap.add_argument("--target-split", default="train", help="target splits, comma-separated (never test for a gate)")
     ap.add_argument("--families", default="", help="target families (default: all)")
     ap.add_argument("--out", default=None, help="where result.json goes (default: --root)")
     ap.add_argument("--kinds", default="", help="task kinds and weights of a template that draws them, e.g. "
@@ -139,6 +139,8 @@ def main() -> None:
                                       timing_path=out / "timing.json")
             result["train_seconds"] = round(time.perf_counter() - t0, 1)
         result["rollouts"] = m.rollouts_used
+        if result["train_seconds"] and m.rollouts_used:
+            result["seconds_per_rollout"] = round(result["train_seconds"] / m.rollouts_used, 2)
         timing = read_timing(out / "timing.json")
         result["seconds_per_iteration"] = timing.get("seconds_per_iteration")
         # per iteration: sampling (the rollout function) and the rest (the update)
@@ -146,7 +148,9 @@ def main() -> None:
                              "update_seconds": round(t["seconds"] - t.get("rollout_seconds", 0.0), 1)}
                             for t in timing.get("iterations", [])]
         result["curve"] = [{k: row.get(k) for k in ("iteration", "rollouts", "success_rate", "success_rate_unhinted",
-                                                     "env_score", "frac_reward_zero_std", "preplayed_steps")}
+                                                     "success_rate_on_policy", "references", "reference_skipped",
+                                                     "frac_groups_mixed_by_reference", "env_score",
+                                                     "frac_reward_zero_std", "preplayed_steps")}
                            for row in read_train_log(out / args.capability)]
         adapters = {"final": str(out / args.capability)}
         for snap in sorted((out / args.capability / SNAPSHOTS).glob("iter-*"), key=lambda p: int(p.name[5:])):
@@ -157,7 +161,7 @@ def main() -> None:
         synth_tasks = synthetic_tasks(box, args.capability, seeds, params.synthesize.difficulty, "test")
         env_cfg = params.env.model_copy(update={"tasks_per_family": args.target_n,
                                                 "families": [f for f in args.families.split(",") if f]})
-        target_tasks = make_tasks(env_cfg, args.target_split)
+        target_tasks = [t for split in args.target_split.split(",") for t in make_tasks(env_cfg, split)]
         t0 = time.perf_counter()
         result["held_out"], result["target"] = {}, {}
         episodes: list[str] = []
