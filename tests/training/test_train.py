@@ -1253,6 +1253,7 @@ def test_reference_samples_join_each_group_with_the_environments_reward_and_thei
     assert stats["references"] == 2 and stats["reference_skipped"] == 0
     assert stats["success_rate_on_policy"] == 0.0 and stats["success_rate"] == 0.5
     assert stats["frac_groups_mixed_by_reference"] == 1.0 and stats["frac_reward_zero_std"] == 0.0
+    assert stats["_timing"]["reference_seconds"] >= 0.0  # what playing the references cost (no decoding)
 
 
 def test_a_broken_reference_is_skipped_counted_and_its_slot_sampled(scripted):

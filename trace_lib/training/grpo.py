@@ -578,15 +578,19 @@ class AgentRollout:
         self.policy.clear_prefix_cache()  # the weights changed since the last iteration
         try:
             episodes = self._start(prompts, iteration)
-            skipped = 0
+            skipped, reference_s = 0, 0.0
             if self.cfg.reference_samples and self.cfg.reference_when == "always":
+                t_ref = time.perf_counter()
                 skipped = self._references(episodes, range(0, len(episodes), self.cfg.group_size))
+                reference_s = time.perf_counter() - t_ref
             # with 'all_failed' the reference slots wait until their group's sampled episodes are scored
             later = set(reference_slots(self.cfg.group_size, self.cfg.reference_samples)) \
                 if self.cfg.reference_when == "all_failed" else set()
             timing = self._play([ep for ep in episodes if not ep.reference and ep.sample not in later], iteration)
             if self.cfg.reference_samples and self.cfg.reference_when == "all_failed":
+                t_ref = time.perf_counter()
                 skipped = self._references(episodes, self._failed_groups(episodes))
+                reference_s = time.perf_counter() - t_ref
                 rest = [ep for ep in episodes if not ep.reference and not ep.env.done]
                 if rest:  # the reference slots of groups with a success: sampled like the rest
                     more = self._play(rest, iteration, call=1)
@@ -609,7 +613,9 @@ class AgentRollout:
         extra = {} if not self.cfg.reference_samples else reference_stats(done, self.cfg.group_size, skipped)
         self.stats[iteration] = {**iteration_stats(done), **extra,
                                  "tool_calls_correct": epoch["tool_calls_correct"], "l_t": epoch["l_t"],
-                                 "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0}}
+                                 "_timing": {**timing, "rollout_seconds": time.perf_counter() - t0,
+                                             **({"reference_seconds": reference_s} if self.cfg.reference_samples
+                                                else {})}}
         rewards = [ep.reward for ep in episodes]
         return {
             "prompt_ids": [ep.prompt_ids for ep in episodes],
