@@ -350,11 +350,11 @@ def play_reference(policy: Policy, ep: Episode, steps: Sequence[Any], cfg: Train
         msg = reference_message(step, sum(1 for m in ep.context if m.role == "assistant"))
         if msg is None:
             return False
-        calls = ep.env.state.tool_errors if ep.env.state is not None else 0
+        errors = ep.env.state.tool_errors if ep.env.state is not None else 0
         _apply_turn(policy, ep, reference_turn_ids(policy, ep.context, msg, tools), "stop", cfg.tool_result_tokens,
                     cfg.filter_lookup_only)
         assert ep.env.state is not None
-        if ep.env.state.tool_errors > calls or ep.env.state.invalid_actions:
+        if ep.env.state.tool_errors > errors or ep.env.state.invalid_actions:  # the environment refused the step
             return False
     return bool(steps)
 
