@@ -263,6 +263,9 @@ class ScoreConfig(Section):
     """LLM labelling temperature; each run is a separate request, so runs can disagree."""
     max_tokens: int = Field(1024, ge=64)
     trajectory_chars: int = Field(600, ge=80)
+    max_kept: int | None = Field(None, ge=1)
+    """Keep at most this many of the capabilities that pass, the largest Δ first (then coverage, then id): each
+    kept one costs an environment and an adapter's training. None: every one that passes (the paper)."""
 
     @model_validator(mode="after")
     def _k_within_n(self) -> ScoreConfig:

@@ -7,6 +7,7 @@ import pytest
 
 from trace_lib.llm import LLMError
 from trace_lib.analyst.score import (
+    at_most,
     consensus,
     contrast,
     explain_selection,
@@ -17,7 +18,7 @@ from trace_lib.analyst.score import (
     score_runs,
 )
 from trace_lib.config import ScoreConfig, params_from_dict
-from trace_lib.records import Capability, Label, Message, Task, Trajectory, UserScenario
+from trace_lib.records import Capability, CapabilityScore, Label, Message, Task, Trajectory, UserScenario
 
 CODE = {"L": 2, "P": 1, "N": 0}
 
@@ -278,3 +279,25 @@ def test_score_figures_and_table():
     fig = stability(runs, cfg.k_keep, cfg.delta)
     assert len(fig.axes) == 2 and fig.axes[0].get_xticklabels()[0].get_text() == "strong"
     assert stability([], 8).axes  # nothing to draw is still a figure
+
+
+def _score(cid: str, delta: float | None, coverage: float | None, kept: bool) -> CapabilityScore:
+    return CapabilityScore(capability_id=cid, n_pos=1, n_neg=1, e_pos=0, e_neg=1, er_pos=0.0, er_neg=1.0,
+                           delta=delta, coverage=coverage, kept=kept, reason="kept: selected" if kept else "no")
+
+
+def test_max_kept_keeps_the_largest_gaps_and_says_why_the_rest_are_not():
+    scores = [_score("a", 0.5, 0.5, True), _score("b", 1.0, 1.0, True), _score("c", 0.5, 0.9, True),
+              _score("d", 2.0, 1.0, False)]
+    out = at_most(scores, 2)
+    assert [s.capability_id for s in out] == ["a", "b", "c", "d"]  # order kept
+    assert [s.kept for s in out] == [False, True, True, False]
+    assert out[0].reason == "not kept: ranked 3 of 3 by Δ and score.max_kept is 2; it passed: selected"
+    assert out[3].reason == "no"
+    assert at_most(scores, None) == scores and at_most(scores, 3) == scores
+
+
+def test_max_kept_is_a_params_key():
+    assert params_from_dict({"score": {"max_kept": 1}}).score.max_kept == 1
+    with pytest.raises(Exception, match="max_kept"):
+        params_from_dict({"score": {"max_kept": 0}})

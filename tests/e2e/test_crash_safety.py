@@ -215,7 +215,7 @@ def _assert_recovered(root: Path, ref: dict) -> None:
 def repo(tmp_path_factory, tiny_model_dir) -> Path:
     # two checkpoints per adapter, each two iterations after the last: room for a kill between them; no
     # baselines and no distilled student (the cpu profile's), so the kill points stay on the capability adapters
-    train = {"iterations": 4, "save_every": 2, "groups": 1, "group_size": 2, "max_new_tokens": 8,
+    train = {"iterations": 4, "save_every": 2, "groups": 1, "group_size": 2, "reference_samples": 1, "max_new_tokens": 8,
              "max_steps_per_episode": 2, "threads": 1, "baselines": [], "distill": {"iterations": 0}, "lockstep": True}
     return make_scratch_repo(tmp_path_factory.mktemp("crash_repo"), rules_params(Path(tiny_model_dir), train))
 

@@ -98,7 +98,7 @@ def _first_difference(a: bytes, b: bytes) -> str:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_model_dir) -> Path:
     # two iterations: a checkpoint and a snapshot (iter-1) before the final adapter
-    train = {"iterations": 2, "groups": 1, "group_size": 2, "max_new_tokens": 8, "max_steps_per_episode": 2,
+    train = {"iterations": 2, "groups": 1, "group_size": 2, "reference_samples": 1, "max_new_tokens": 8, "max_steps_per_episode": 2,
              "threads": 1}
     return make_scratch_repo(tmp_path_factory.mktemp("determinism_repo"), rules_params(Path(tiny_model_dir), train))
 

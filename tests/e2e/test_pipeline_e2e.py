@@ -149,7 +149,7 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
     params["analyst"]["backend"] = "rules"
     params["score"]["empty_rate"] = 0.0
     # in lockstep (`train.lockstep`): the adapters, the baselines and the student share their sampling rounds
-    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "max_new_tokens": 8,
+    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "reference_samples": 1, "max_new_tokens": 8,
                        "max_steps_per_episode": 2, "threads": 1, "lockstep": True}
     params_file.write_text(yaml.safe_dump(params))
     _run([str(BIN / "dvc"), "repro", "train"], scratch_repo)
@@ -196,7 +196,7 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
     params = yaml.safe_load(params_file.read_text())
     params["analyst"]["backend"] = "rules"  # as in the train test, so this one also runs alone
     params["score"]["empty_rate"] = 0.0
-    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "max_new_tokens": 8,
+    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "reference_samples": 1, "max_new_tokens": 8,
                        "max_steps_per_episode": 2, "threads": 1, "reward": {"efficiency": False}, "lockstep": True}
     params["evaluate"].update({"n_boot": 100})
     params_file.write_text(yaml.safe_dump(params))
@@ -283,7 +283,7 @@ def test_api_key_never_reaches_a_file(scratch_repo: Path, monkeypatch):
     params = yaml.safe_load(params_file.read_text())
     params["analyst"]["backend"] = "rules"  # as in the report test: a no-op after it, the whole DAG alone
     params["score"]["empty_rate"] = 0.0
-    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "max_new_tokens": 8,
+    params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "reference_samples": 1, "max_new_tokens": 8,
                        "max_steps_per_episode": 2, "threads": 1, "reward": {"efficiency": False}, "lockstep": True}
     params["evaluate"].update({"n_boot": 100})
     params_file.write_text(yaml.safe_dump(params))

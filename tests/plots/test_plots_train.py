@@ -102,8 +102,20 @@ def test_with_the_hint_swap_the_curve_and_the_base_line_are_the_unguided_rollout
     assert base_pass_rate(logs["cap"]) == 0.25
     assert base_pass_rate([log_row(1, 0.5, hinted=0, success_rate_unhinted=0.5)]) == 0.5
     ax = curves_against_base(logs).axes[0]
-    (curve,) = [ln for ln in ax.get_lines() if ln.get_label() == "success rate, unguided rollouts"]
+    (curve,) = [ln for ln in ax.get_lines() if ln.get_label() == "success rate, sampled episodes"]
     assert list(curve.get_ydata()) == [0.25, 0.5] and list(dashed(ax)[0].get_ydata()) == [0.25, 0.25]
+
+
+def test_with_reference_samples_the_curves_are_the_sampled_episodes_success():
+    logs = {"cap": [log_row(1, 0.3, references=16, success_rate_on_policy=0.05),
+                    log_row(2, 0.6, references=16, success_rate_on_policy=0.45)]}
+    assert base_pass_rate(logs["cap"]) == 0.05
+    ax = curves_against_base(logs).axes[0]
+    (curve,) = [ln for ln in ax.get_lines() if ln.get_label() == "success rate, sampled episodes"]
+    assert list(curve.get_ydata()) == [0.05, 0.45]
+    (panel,) = [a for a in training_curves(logs).axes if a.get_title() == "success rate, sampled episodes"]
+    assert list(panel.get_lines()[0].get_ydata()) == [0.05, 0.45]
+    assert "success_rate_on_policy" in train_log_csv(logs["cap"]).splitlines()[0]
 
 
 @pytest.mark.parametrize("logs", [{}, {"cap": []}])

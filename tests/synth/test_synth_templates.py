@@ -29,6 +29,8 @@ from trace_lib.synth.templates import (
     render_template_module,
     template_capabilities,
     template_kinds,
+    kind_outcomes,
+    unsolved_kinds,
 )
 
 TARGETS = [{"name": "retail", "tools": "core"}, {"name": "tau2-retail"}]
@@ -398,3 +400,19 @@ def test_same_db_agrees_with_hashes():
                 world.call(a["tool"], a["arguments"])
         assert synth_sdk.same_db(world, gold) == (world.db_hash() == gold.db_hash())
         assert synth_sdk.gold_db_hash(target, task["gold_actions"]) == gold.db_hash()
+
+
+def test_the_kinds_the_base_model_solves_are_not_drawn():
+    target = TARGETS[0]
+    tasks = {t["id"]: t for t in _family_tasks("order_status", "order_tracking", "refuse_cancel", n=2)}
+    status, tracking, refusal = (sorted(t for t in tasks if t.startswith(f)) for f in
+                                 ("order_status", "order_tracking", "refuse_cancel"))
+    episodes = [(status[0], True), (status[0], True), (status[1], False), (tracking[0], False), (tracking[1], True),
+                (refusal[0], False), ("elsewhere", True)]  # a task not in `tasks` is not counted
+    outcomes = kind_outcomes(target, tasks, episodes)
+    assert outcomes == {"status": (2, 3), "tracking": (1, 2), "refusal": (0, 1)}
+    asked = {"status": 4, "tracking": 2, "refusal": 1, "total": 3}
+    assert unsolved_kinds(asked, outcomes, 0.6) == {"tracking": 2, "refusal": 1, "total": 3}  # 2/3 > 0.6
+    assert unsolved_kinds(asked, outcomes, 0.5) == {"tracking": 2, "refusal": 1, "total": 3}  # 1/2 is not above
+    assert unsolved_kinds({"status": 1}, outcomes, 0.5) == {"status": 1}  # never none
+    assert kind_outcomes({"name": "phone"}, tasks, episodes) == {}

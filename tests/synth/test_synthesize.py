@@ -93,7 +93,7 @@ def test_an_environment_no_setting_calibrates_is_dropped_and_its_rollouts_charge
 
     params = params_from_dict({"analyst": {"backend": "rules"},
                                "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
-                               "train": {"max_new_tokens": 8, "max_steps_per_episode": 2},
+                               "train": {"max_new_tokens": 8, "max_steps_per_episode": 2, "reference_samples": 0},
                                "synthesize": {"difficulty": 1, "calibration": {
                                    "enabled": True, "seeds": 2, "samples": 2, "max_attempts": 3}}})
     write_jsonl(tmp_path / "data/score/kept.jsonl", [_cap("communicate_result")])
@@ -132,6 +132,44 @@ def test_a_calibrated_environment_records_its_transfer_check_and_charges_it(tmp_
     assert spent["by_key"] == {"synthesize/communicate_result": 8}
     (manifest,) = valid_envs(tmp_path)
     assert manifest.calibration["transfer"] == transfer
+
+
+def test_with_reference_samples_the_kinds_the_base_solves_are_not_drawn_and_references_are_checked(
+        tmp_path, tiny_model_dir):
+    """The base model solved 4 of its 5 status episodes: with reference samples the environment draws only the total
+    and the tracking number its other failures asked; every calibration seed's reference earns full reward, and the
+    tiny model's zero success is in band (the references bring the successes)."""
+    from trace_lib.envs import make_tasks
+    from trace_lib.records import Trajectory
+
+    params = params_from_dict({"analyst": {"backend": "rules"},
+                               "model": {"out_dir": str(tiny_model_dir), "dtype": "float32"},
+                               "env": {"families": ["order_status", "order_total", "order_tracking"],
+                                       "tasks_per_family": 2},
+                               "train": {"max_new_tokens": 8, "max_steps_per_episode": 2, "group_size": 8,
+                                         "reference_samples": 2},
+                               "synthesize": {"difficulty": 2, "calibration": {
+                                   "enabled": True, "seeds": 2, "samples": 2, "transfer_tasks": 3}}})
+    tasks = make_tasks(params.env, "train")
+    write_jsonl(tmp_path / "data/rollouts/tasks-train.jsonl", tasks)
+    status = [t for t in tasks if t.family == "order_status"]
+    outcomes = [(t, t.family == "order_status") for t in tasks for _ in range(2)] + [(status[0], False)]
+    evidence = [Trajectory(id=f"{t.id}#{i}", task_id=t.id, env="retail", family=t.family, split="train",
+                           policy_id="p", seed=0, messages=[], reward=float(ok), success=ok, termination="user_stop",
+                           tool_calls=0, invalid_actions=0, tool_errors=0, turns=0, prompt_tokens=0,
+                           completion_tokens=0) for i, (t, ok) in enumerate(outcomes)]
+    write_jsonl(tmp_path / "data/rollouts/train.jsonl", evidence)
+    write_jsonl(tmp_path / "data/score/kept.jsonl", [_cap("communicate_result").model_copy(
+        update={"evidence": [e.id for e in evidence if not e.success]})])
+    env = run_synthesize(params, tmp_path)["envs"]["communicate_result"]
+    kinds = env["calibration"]["kinds"]
+    assert kinds["asked"] == {"status": 1, "total": 2, "tracking": 2} and kinds["drawn"] == {"total": 2, "tracking": 2}
+    assert kinds["base_solved"] == {"status": "4/5", "total": "0/4", "tracking": "0/4"}
+    assert 'KINDS = {"total": 2, "tracking": 2}' in (tmp_path / "data/envs/communicate_result/env.py").read_text()
+    (attempt,) = env["calibration"]["attempts"]
+    assert env["valid"] and attempt["references_full"] == 2 and attempt["in_band"]
+    # the transfer check plays the failed tasks of the kinds drawn, not the status task behind the capability
+    assert sorted(env["calibration"]["transfer"]["by_family"]) == ["order_total", "order_tracking"]
 
 
 def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):

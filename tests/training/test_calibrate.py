@@ -109,3 +109,27 @@ def test_the_transfer_check_plays_each_task_behind_it_and_counts_per_family(scri
     assert out["success"] == round(out["successes"] / 6, 4) and 0 <= out["mixed_groups"] <= 1
     late = transfer_check(scripted, source, tasks, True, CalibrationConfig(samples=2), TrainConfig(**FAST), seed=0)
     assert late["start"] == "reads played" and late["rollouts"] == 6
+
+
+def test_with_reference_samples_the_band_has_only_its_upper_edge():
+    cfg = CalibrationConfig(success_lo=0.1, success_hi=0.6, min_mixed=0.4)
+    assert judge([[False, False], [False, False]], cfg, references=True)["in_band"]  # the references bring successes
+    assert not judge([[False, False], [False, False]], cfg)["in_band"]
+    assert not judge([[True, True], [True, False]], cfg, references=True)["in_band"]  # the base solves it already
+
+
+def test_with_reference_samples_a_setting_fits_when_every_seed_s_reference_earns_full_reward(scripted):
+    cfg = CalibrationConfig(seeds=3, samples=2, success_lo=0.9, success_hi=1.0, min_mixed=1.0)
+    train = TrainConfig(**FAST, reference_samples=1)
+    out = calibrate(scripted, _source_at([]), cfg, train, 1, seed=0)
+    assert out["ok"] and out["rollouts"] == 6  # references are played, not sampled: no rollouts
+    assert out["attempts"][0]["references_full"] == 3
+
+    def wrong(task):  # a reference that reads but never answers
+        return reference_steps(task)[:1]
+
+    def broken_at(difficulty: int) -> TrainSource:
+        return TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, reference=wrong)
+    out = calibrate(scripted, broken_at, cfg.model_copy(update={"max_attempts": 1}), train, 1, seed=0)
+    assert not out["ok"] and out["attempts"][0]["references_full"] == 0
+    assert "every reference of full reward" in out["reason"] and "references of full reward 0/3" in out["reason"]

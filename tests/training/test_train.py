@@ -446,7 +446,7 @@ def _guided_hint(scripted, start_late: float, reference) -> tuple[str, list[int]
     steps; the source's own hint is "Say the value."."""
     policy = GuidedPolicy(scripted.model, scripted.tokenizer, "tiny")
     policy.seen = []
-    cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 2, "hint_fraction": 0.5, "start_late": start_late})
+    cfg = TrainConfig(**{**FAST, "groups": 1, "group_size": 2, "reference_samples": 0, "hint_fraction": 0.5, "start_late": start_late})
     source = TrainSource("kv", lambda: KVEnv(max_steps=3), kv_tasks, hint=lambda task: "Say the value.",
                          reference=reference)
     ro = AgentRollout(policy, [source], cfg, make_reward(cfg.reward), lambda n: None, seed=0)
@@ -1114,7 +1114,7 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
     from trace_lib.stages import train as stage
     from trace_lib.training.trainer import planned_rollouts
 
-    params = params_from_dict({"train": {"groups": 1, "group_size": 2, "iterations": 2, "baselines": ["grpo_target"],
+    params = params_from_dict({"train": {"groups": 1, "group_size": 2, "reference_samples": 0, "iterations": 2, "baselines": ["grpo_target"],
                                          "distill": {"iterations": 0}, "lockstep": False}})
     seconds = {"cap": [3.0, 4.5], "grpo_target": [2.0, 2.5, 1.0, 1.5, 3.0]}
 
@@ -1185,7 +1185,7 @@ def test_the_baselines_get_tracess_discovery_and_calibration_even_when_no_enviro
     from trace_lib.stages import train as stage
     from trace_lib.training.trainer import planned_rollouts
 
-    params = params_from_dict({"train": {"groups": 1, "group_size": 2, "baselines": ["grpo_target", "grpo_target_late"],
+    params = params_from_dict({"train": {"groups": 1, "group_size": 2, "reference_samples": 0, "baselines": ["grpo_target", "grpo_target_late"],
                                          "distill": {"iterations": 0}, "lockstep": False}})
     budgets = {}
 

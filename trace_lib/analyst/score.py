@@ -259,7 +259,21 @@ def score_capabilities(labels: Sequence[Label], trajectories: Sequence[Trajector
         scores.append(CapabilityScore(capability_id=cid, n_pos=c.n_pos, n_neg=c.n_neg, e_pos=c.e_pos, e_neg=c.e_neg,
                                       er_pos=c.er_pos, er_neg=c.er_neg, delta=c.delta, coverage=c.coverage,
                                       delta_ci=ci, kept=kept, kept_runs=kept_runs, n_runs=n_runs, reason=reason))
-    return scores
+    return at_most(scores, cfg.max_kept)
+
+
+def at_most(scores: Sequence[CapabilityScore], max_kept: int | None) -> list[CapabilityScore]:
+    """`scores` with only the `max_kept` kept ones of largest Δ (then coverage, then id) still kept; the others say
+    they ranked below (`score.max_kept`). None: unchanged."""
+    kept = sorted((s for s in scores if s.kept), key=lambda s: (-(s.delta or 0.0), -(s.coverage or 0.0),
+                                                                 s.capability_id))
+    if max_kept is None or len(kept) <= max_kept:
+        return list(scores)
+    over = {s.capability_id: rank for rank, s in enumerate(kept, start=1) if rank > max_kept}
+    return [s.model_copy(update={"kept": False, "reason": f"not kept: ranked {over[s.capability_id]} of "
+                                 f"{len(kept)} by Δ and score.max_kept is {max_kept}; it passed: "
+                                 f"{s.reason.removeprefix('kept: ')}"})
+            if s.capability_id in over else s for s in scores]
 
 
 def ground_truth_metrics(kept: Sequence[str], tasks: Sequence[Task]) -> dict[str, Any]:

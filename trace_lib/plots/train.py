@@ -22,17 +22,18 @@ from matplotlib.ticker import MaxNLocator
 
 from trace_lib.io import atomic_write_text
 
-CURVES = (("reward", "mean reward"), ("success_rate", "success rate"),
+CURVES = (("reward", "mean reward"), ("success_sampled", "success rate, sampled episodes"),
           ("frac_reward_zero_std", "groups with identical rewards"), ("tool_calls", "tool calls per episode"))
 """(log key, axis label) of the panels drawn for every adapter."""
 CSV_COLUMNS = ("iteration", "rollouts", "reward", "reward_std", "frac_reward_zero_std", "success_rate", "kl",
                "completion_length", "tool_calls", "l_t", "loss", "entropy", "grad_norm", "hinted", "success_rate_unhinted",
-               "env_score")
+               "env_score", "references", "success_rate_on_policy")
 """Columns of `reports/train/<name>.csv`, named as TRL logs them (reward, reward_std, frac_reward_zero_std,
 kl, loss, entropy, grad_norm) or as the train log does: rollouts (used so far, cumulative), success_rate,
 completion_length (the agent's own tokens per episode), tool_calls (per episode) and l_t (the efficiency
 threshold), hinted (rollouts played with expert guidance, the hint swap), success_rate_unhinted (the
-others' success) and env_score (the environment's mean partial score, multi-level rewards); then one
+others' success), env_score (the environment's mean partial score, multi-level rewards), references (the
+reference samples, `train.reference_samples`) and success_rate_on_policy (the sampled episodes' success); then one
 `rubric/<item>` column per rubric item the log holds (its mean over the iteration's finished episodes).
 A value the log does not hold is left empty: kl when beta = 0 (TRL logs none), l_t when the efficiency
 reward is off, fields added after a log was written."""
@@ -70,7 +71,8 @@ def write_train_csvs(logs: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: s
 
 def logs_frame(logs: Mapping[str, Sequence[dict[str, Any]]]) -> pd.DataFrame:
     """One row per (adapter, iteration) with every logged metric; adapters in name order."""
-    rows = [{"adapter": name, **row} for name in sorted(logs) for row in logs[name]]
+    rows = [{"adapter": name, **row, "success_sampled": unguided_success(row)} for name in sorted(logs)
+            for row in logs[name]]
     return pd.DataFrame(rows)
 
 
@@ -158,8 +160,10 @@ def rubric_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str = "")
 
 
 def unguided_success(row: Mapping[str, Any]) -> float | None:
-    """A log row's success rate over the rollouts played without expert guidance (all of them when
-    the hint swap is off): what the policy does on its own."""
+    """A log row's success rate over the rollouts the policy sampled without expert guidance (the hint swap's
+    guided ones and the reference samples apart; all of them when both are off): what it does on its own."""
+    if row.get("references"):
+        return row.get("success_rate_on_policy")
     return row.get("success_rate_unhinted") if row.get("hinted") else row.get("success_rate")
 
 
@@ -187,9 +191,10 @@ def curves_against_base(logs: Mapping[str, Sequence[dict[str, Any]]], temperatur
         if frame.empty:
             ax.text(0.5, 0.5, "no iterations logged", ha="center", va="center", transform=ax.transAxes)
         else:
-            guided = bool(frame.get("hinted", pd.Series([0])).fillna(0).any())
+            guided = bool(frame.get("hinted", pd.Series([0])).fillna(0).any()
+                          or frame.get("references", pd.Series([0])).fillna(0).any())
             ax.plot(frame["iteration"], [unguided_success(r) for r in logs[name]], marker="o",
-                    label="success rate, unguided rollouts" if guided else "success rate")
+                    label="success rate, sampled episodes" if guided else "success rate")
             if not np.allclose(frame["reward"], frame["success_rate"]):  # the efficiency reward is on
                 ax.plot(frame["iteration"], frame["reward"], marker=".", alpha=0.7, label="reward")
                 low = min(low, float(frame["reward"].min()))

@@ -24,7 +24,8 @@ from trace_lib.paths import Paths
 from trace_lib.envs import load_tasks
 from trace_lib.records import Capability, SyntheticEnvManifest, Task, Trajectory
 from trace_lib.sandbox import SandboxProcess
-from trace_lib.synth.synthesize import resolve_synth_backend, synthesize_env
+from trace_lib.synth.synthesize import resolve_synth_backend, synthesize_env, target_spec
+from trace_lib.synth.templates import kind_outcomes, template_kinds, unsolved_kinds
 from trace_lib.budget import RolloutLedger
 from trace_lib.training.calibrate import calibrate, tasks_behind, transfer_check
 from trace_lib.training.sources import sandbox_limits, synthetic_source, target_source
@@ -47,14 +48,18 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
         policy = load_policy(Path(params.model.out_dir), dtype=params.model.dtype, device=params.model.device,
                              tool_format=params.model.tool_format)
         ledger = RolloutLedger(paths.synth_rollouts)
-    manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence,
-                                policy=policy, ledger=ledger) for cap in kept]
+    drawn = {cap.id: kinds_to_train(cap, params, root, evidence) for cap in kept} if backend == "template" else {}
+    manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence, policy=policy,
+                                ledger=ledger, kinds=drawn[cap.id]["drawn"] if drawn.get(cap.id) else None)
+                 for cap in kept]
     if params.synthesize.calibration.enabled:
         caps = {c.id: c for c in kept}
         n = params.synthesize.calibration.transfer_tasks
         tasks = load_tasks(params.env, params.rollout.split, root) if n and evidence else []
         manifests = [calibrated(m, params, root, policy, ledger,
-                                tasks_behind(evidence, caps[m.capability_id].evidence, tasks, n)) if m.valid else m
+                                tasks_behind(evidence, caps[m.capability_id].evidence,
+                                             of_kinds(tasks, drawn.get(m.capability_id), params), n),
+                                drawn.get(m.capability_id)) if m.valid else m
                      for m in manifests]
     write_jsonl(paths.env_manifests, manifests)
     metrics = {
@@ -71,17 +76,50 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
     return metrics
 
 
+def kinds_to_train(cap: Capability, params: Params, root: Path, evidence: list[Trajectory]) -> dict[str, Any] | None:
+    """With reference samples and calibration on, the task kinds a template environment draws: those the failed
+    target tasks behind `cap` asked (`templates.template_kinds`), less the kinds the base model already solves on
+    the target (`templates.unsolved_kinds`: solved in more than `calibration.success_hi` of its rollout episodes of
+    that kind). Returns the kinds drawn and each kind's (solved, played) episodes; None where this does not apply
+    (the template draws no kinds, or without references: the kind the base solves is what earns GRPO reward)."""
+    cfg = params.synthesize
+    if not (params.train.reference_samples and cfg.calibration.enabled and evidence):
+        return None
+    target = target_spec(params.env)
+    tasks = {t.id: t.model_dump(mode="json") for t in load_tasks(params.env, params.rollout.split, root)}
+    cited = set(cap.evidence)
+    behind = {e.task_id for e in evidence if e.id in cited}
+    asked = template_kinds(cap.id, target, [t for tid, t in tasks.items() if tid in behind])
+    if not asked:
+        return None
+    outcomes = kind_outcomes(target, tasks, [(e.task_id, e.success) for e in evidence])
+    kinds = unsolved_kinds(asked, outcomes, cfg.calibration.success_hi)
+    return {"drawn": kinds, "asked": asked, "base_solved": {k: f"{s}/{n}" for k, (s, n) in outcomes.items()}}
+
+
+def of_kinds(tasks: list[Task], kinds: dict[str, Any] | None, params: Params) -> list[Task]:
+    """The target `tasks` that ask one of the kinds the environment draws (`kinds_to_train`), so the transfer check
+    plays the failures it trains for; all of `tasks` where the kinds are not chosen."""
+    if not kinds:
+        return tasks
+    target = target_spec(params.env)
+    return [t for t in tasks if set(kind_outcomes(target, {t.id: t.model_dump(mode="json")}, [(t.id, False)]))
+            & set(kinds["drawn"])]
+
+
 def calibrated(manifest: SyntheticEnvManifest, params: Params, root: Path, policy: Any,
-               ledger: RolloutLedger, behind: list[Task]) -> SyntheticEnvManifest:
+               ledger: RolloutLedger, behind: list[Task], kinds: dict[str, Any] | None = None) -> SyntheticEnvManifest:
     """`manifest` with its calibration (`training.calibrate`): the difficulty it trains at, or, where no setting is
     in band, not valid, its module removed and the reason recorded. Where a setting fits, the base model then plays
     `behind` (target tasks the capability's evidence failed) from its start, recorded as `calibration.transfer`.
-    Every episode played goes to `ledger`."""
+    `kinds` (`kinds_to_train`) is recorded as `calibration.kinds`. Every episode played goes to `ledger`."""
     cfg = params.synthesize.calibration
     with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
         knob = box.meta["DIFFICULTY"]
         result = calibrate(policy, lambda d: synthetic_source(box, manifest.capability_id, params, difficulty=d),
                            cfg, params.train, params.synthesize.difficulty, params.seed, (knob["min"], knob["max"]))
+    if kinds:
+        result["kinds"] = kinds
     if result["ok"] and behind:
         result["transfer"] = transfer_check(policy, target_source(params, root), behind, result["start_late"] >= 1.0,
                                             cfg, params.train, params.seed)

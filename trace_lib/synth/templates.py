@@ -32,6 +32,7 @@ import json
 import random
 import textwrap
 from functools import lru_cache
+from collections.abc import Sequence
 from typing import Any
 
 from trace_lib.capabilities import CAPABILITY_TAGS
@@ -132,6 +133,30 @@ def template_kinds(capability: str, target: dict[str, Any], tasks: list[dict[str
     if target.get("name") == "phone" or not get_template(capability).weighted:
         return {}
     return templates_read.evidence_kinds(pool(target["name"]).db, tasks)
+
+
+def kind_outcomes(target: dict[str, Any], tasks: dict[str, dict[str, Any]],
+                  episodes: Sequence[tuple[str, bool]]) -> dict[str, tuple[int, int]]:
+    """Task kind -> (episodes solved, episodes played) over the base model's target `episodes` ((task id, success)
+    pairs; `tasks`: the target tasks by id), each task's kinds as `templates_read.evidence_kinds` classifies it;
+    {} on a target other than the retail database."""
+    if target.get("name") == "phone":
+        return {}
+    db = pool(target["name"]).db
+    out: dict[str, list[int]] = {}
+    for task_id, success in episodes:
+        for kind in templates_read.evidence_kinds(db, [tasks[task_id]]) if task_id in tasks else {}:
+            solved_played = out.setdefault(kind, [0, 0])
+            solved_played[0] += success
+            solved_played[1] += 1
+    return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
+
+def unsolved_kinds(kinds: dict[str, int], outcomes: dict[str, tuple[int, int]], most: float) -> dict[str, int]:
+    """`kinds` without those the base model already solves: a kind whose share of solved target episodes
+    (`kind_outcomes`) exceeds `most`. All of `kinds` where that would leave none."""
+    left = {k: w for k, w in kinds.items() if k not in outcomes or outcomes[k][0] <= most * outcomes[k][1]}
+    return left or dict(kinds)
 
 
 def render_template_module(capability: str, target: dict[str, Any], difficulty_default: int = 1,

@@ -14,6 +14,11 @@ steps one rung toward the band after each setting it measures (`next_rung`): eas
 less than the band's middle, harder where more, never to a rung already measured. Then a transfer check plays
 a few of the target's failed train tasks behind the capability from the start found (`transfer_check`). Every
 episode played is a rollout TRACE spends.
+
+With reference samples (`train.reference_samples` > 0) the references give every group its success, so the band
+has no lower edge and no share of mixed groups: a setting fits when the base model does not already solve it
+(success at most `success_hi`) and the reference solution earns full reward on every seed played
+(`reference_rewards`; a reference needs no decoding and is not a rollout).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from trace_lib.config import CalibrationConfig, TrainConfig
 from trace_lib.records import Task, Trajectory
-from trace_lib.training.grpo import Episode, TrainSource, leading_steps, play, start_episode
+from trace_lib.training.grpo import Episode, TrainSource, leading_steps, play, play_reference, start_episode
 
 CALIBRATION_SEED0 = 900_000
 """First environment seed calibration plays: apart from validation (0..), training (`train.seed_offset` + group)
@@ -63,13 +68,30 @@ def next_rung(rungs: list[Setting], measured: dict[Setting, dict[str, Any]], at:
     return rungs[i] if 0 <= i < len(rungs) and rungs[i] not in measured else None
 
 
-def judge(successes: list[list[bool]], cfg: CalibrationConfig) -> dict[str, Any]:
-    """Success rate, share of mixed groups and whether both are in band, for one group of outcomes per seed."""
+def judge(successes: list[list[bool]], cfg: CalibrationConfig, references: bool = False) -> dict[str, Any]:
+    """Success rate, share of mixed groups and whether both are in band, for one group of outcomes per seed. With
+    `references` (reference samples train it) only the band's upper edge applies."""
     n = sum(len(g) for g in successes)
     rate = sum(map(sum, successes)) / n if n else 0.0
     mixed = sum(0 < sum(g) < len(g) for g in successes) / len(successes) if successes else 0.0
-    in_band = cfg.success_lo <= rate <= cfg.success_hi and mixed >= cfg.min_mixed
+    in_band = rate <= cfg.success_hi if references else (cfg.success_lo <= rate <= cfg.success_hi
+                                                         and mixed >= cfg.min_mixed)
     return {"success": round(rate, 4), "mixed_groups": round(mixed, 4), "in_band": in_band}
+
+
+def reference_rewards(policy: Any, source: TrainSource, tasks: list[tuple[int, Task]], late: bool,
+                      train: TrainConfig) -> list[bool]:
+    """Whether each task's reference solution, played through the environment as a reference sample is
+    (`grpo.play_reference`, after the reads a late start plays), earns full reward; False where it has none."""
+    out = []
+    for env_seed, task in tasks:
+        env = source.make_env()
+        env.max_steps = min(env.max_steps, train.max_steps_per_episode)
+        solution = list(source.reference(task)) if source.reference else []
+        steps = leading_steps(solution, env.tool_kinds()) if late else []
+        ep = start_episode(policy, source.name, env_seed, task, 0, env, preplay=steps)
+        out.append(play_reference(policy, ep, solution[ep.preplayed:], train) and env.reward()[0] >= 1.0)
+    return out
 
 
 def play_groups(policy: Any, source: TrainSource, tasks: list[tuple[int, Task]], late: bool, samples: int,
@@ -90,12 +112,18 @@ def play_groups(policy: Any, source: TrainSource, tasks: list[tuple[int, Task]],
 def measure(policy: Any, source: TrainSource, setting: Setting, cfg: CalibrationConfig, train: TrainConfig,
             seed: int) -> dict[str, Any]:
     """Play `cfg.seeds` x `cfg.samples` base-model episodes of `source` from `setting` at `train.temperature`; the
-    outcome (`judge`) with the setting and the rollouts spent."""
+    outcome (`judge`) with the setting and the rollouts spent. With reference samples, also each seed's reference
+    (`reference_rewards`): `references_full` of them earned full reward, and the setting is in band only when all
+    did."""
     seeds = list(range(CALIBRATION_SEED0, CALIBRATION_SEED0 + cfg.seeds))
     tasks = list(zip(seeds, source.make_tasks(seeds), strict=True))
     outcomes = play_groups(policy, source, tasks, setting.late, cfg.samples, train, seed)
-    return {"difficulty": setting.difficulty, "start": setting.start, **judge(outcomes, cfg),
-            "rollouts": cfg.samples * len(tasks)}
+    out = {"difficulty": setting.difficulty, "start": setting.start,
+           **judge(outcomes, cfg, references=train.reference_samples > 0), "rollouts": cfg.samples * len(tasks)}
+    if train.reference_samples > 0:
+        full = sum(reference_rewards(policy, source, tasks, setting.late, train))
+        out = {**out, "references_full": full, "in_band": out["in_band"] and full == len(tasks)}
+    return out
 
 
 def tasks_behind(evidence: Sequence[Trajectory], cited: Sequence[str], tasks: Sequence[Task], n: int) -> list[Task]:
@@ -151,9 +179,13 @@ def calibrate(policy: Any, source_at: Callable[[int], TrainSource], cfg: Calibra
                     "start_late": 1.0 if at.late else train.start_late, "attempts": attempts,
                     "rollouts": sum(a["rollouts"] for a in attempts), "reason": ""}
         at = next_rung(rungs, measured, at, cfg)
-    tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, "
-                      f"mixed groups {a['mixed_groups']:.2f}" for a in attempts)
+    if train.reference_samples > 0:
+        tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, "
+                          f"references of full reward {a['references_full']}/{cfg.seeds}" for a in attempts)
+        band = f"success <= {cfg.success_hi} and every reference of full reward"
+    else:
+        tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, "
+                          f"mixed groups {a['mixed_groups']:.2f}" for a in attempts)
+        band = f"success in [{cfg.success_lo}, {cfg.success_hi}], mixed groups >= {cfg.min_mixed}"
     return {"ok": False, "difficulty": None, "start_late": None, "attempts": attempts,
-            "rollouts": sum(a["rollouts"] for a in attempts),
-            "reason": f"no setting in band (success in [{cfg.success_lo}, {cfg.success_hi}], mixed groups >= "
-                      f"{cfg.min_mixed}): {tried}"}
+            "rollouts": sum(a["rollouts"] for a in attempts), "reason": f"no setting in band ({band}): {tried}"}
