@@ -24,8 +24,8 @@ from trace_lib.paths import Paths
 from trace_lib.envs import load_tasks
 from trace_lib.records import Capability, SyntheticEnvManifest, Task, Trajectory
 from trace_lib.sandbox import SandboxProcess
-from trace_lib.synth.synthesize import resolve_synth_backend, synthesize_env, target_spec
-from trace_lib.synth.templates import kind_outcomes, template_kinds, unsolved_kinds
+from trace_lib.synth.synthesize import evidence_template_kinds, resolve_synth_backend, synthesize_env, target_spec
+from trace_lib.synth.templates import kind_outcomes, task_kinds, unsolved_kinds
 from trace_lib.budget import RolloutLedger
 from trace_lib.training.calibrate import calibrate, tasks_behind, transfer_check
 from trace_lib.training.sources import sandbox_limits, synthetic_source, target_source
@@ -87,9 +87,7 @@ def kinds_to_train(cap: Capability, params: Params, root: Path, evidence: list[T
         return None
     target = target_spec(params.env)
     tasks = {t.id: t.model_dump(mode="json") for t in load_tasks(params.env, params.rollout.split, root)}
-    cited = set(cap.evidence)
-    behind = {e.task_id for e in evidence if e.id in cited}
-    asked = template_kinds(cap.id, target, [t for tid, t in tasks.items() if tid in behind])
+    asked = evidence_template_kinds(cap, target, evidence, list(tasks.values()))
     if not asked:
         return None
     outcomes = kind_outcomes(target, tasks, [(e.task_id, e.success) for e in evidence])
@@ -103,8 +101,7 @@ def of_kinds(tasks: list[Task], kinds: dict[str, Any] | None, params: Params) ->
     if not kinds:
         return tasks
     target = target_spec(params.env)
-    return [t for t in tasks if set(kind_outcomes(target, {t.id: t.model_dump(mode="json")}, [(t.id, False)]))
-            & set(kinds["drawn"])]
+    return [t for t in tasks if set(task_kinds(target, t.model_dump(mode="json"))) & set(kinds["drawn"])]
 
 
 def calibrated(manifest: SyntheticEnvManifest, params: Params, root: Path, policy: Any,

@@ -115,10 +115,9 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
                                     "use an LLM synthesizer (synthesize.backend)")
         max_attempts = 1
         if kinds is None:
-            cited = set(cap.evidence)
-            behind = {e.task_id for e in evidence if e.id in cited}
-            kinds = template_kinds(cap.id, target, [t.model_dump(mode="json") for t in
-                                                    load_tasks(params.env, params.rollout.split, root) if t.id in behind])
+            kinds = evidence_template_kinds(cap, target, evidence,
+                                            [t.model_dump(mode="json") for t in
+                                             load_tasks(params.env, params.rollout.split, root)])
     else:
         if client is None:
             raise ValueError(f"synthesize backend {backend!r} needs an LLM client")
@@ -159,6 +158,15 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
             messages = messages + [{"role": "user", "content": feedback_message(report)}]
     reason = f"no attempt passed validation (last failed check: {report.get('failed')})"
     return _not_synthesized(cap, backend, target, out_dir, reason, report, attempts=max_attempts)
+
+
+def evidence_template_kinds(cap: Capability, target: dict[str, Any], evidence: Sequence[Trajectory],
+                            tasks: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """The task kinds `cap`'s template draws by default: those of the target `tasks` (JSON) behind the trajectories
+    its evidence cites, weighted as `templates.template_kinds` counts them."""
+    cited = set(cap.evidence)
+    behind = {e.task_id for e in evidence if e.id in cited}
+    return template_kinds(cap.id, target, [t for t in tasks if t["id"] in behind])
 
 
 def _not_synthesized(cap: Capability, backend: str, target: dict[str, str], out_dir: Path, reason: str,

@@ -135,17 +135,23 @@ def template_kinds(capability: str, target: dict[str, Any], tasks: list[dict[str
     return templates_read.evidence_kinds(pool(target["name"]).db, tasks)
 
 
+def task_kinds(target: dict[str, Any], task: dict[str, Any]) -> list[str]:
+    """The kinds one target task asks, as `templates_read.evidence_kinds` classifies them; [] on a target other than
+    the retail database."""
+    if target.get("name") == "phone":
+        return []
+    return list(templates_read.evidence_kinds(pool(target["name"]).db, [task]))
+
+
 def kind_outcomes(target: dict[str, Any], tasks: dict[str, dict[str, Any]],
                   episodes: Sequence[tuple[str, bool]]) -> dict[str, tuple[int, int]]:
     """Task kind -> (episodes solved, episodes played) over the base model's target `episodes` ((task id, success)
-    pairs; `tasks`: the target tasks by id), each task's kinds as `templates_read.evidence_kinds` classifies it;
-    {} on a target other than the retail database."""
-    if target.get("name") == "phone":
-        return {}
-    db = pool(target["name"]).db
+    pairs; `tasks`: the target tasks by id), each task's kinds by `task_kinds`; {} on a target other than the retail
+    database."""
+    asks = {task_id: task_kinds(target, task) for task_id, task in tasks.items()}
     out: dict[str, list[int]] = {}
     for task_id, success in episodes:
-        for kind in templates_read.evidence_kinds(db, [tasks[task_id]]) if task_id in tasks else {}:
+        for kind in asks.get(task_id, []):
             solved_played = out.setdefault(kind, [0, 0])
             solved_played[0] += success
             solved_played[1] += 1

@@ -79,18 +79,25 @@ def judge(successes: list[list[bool]], cfg: CalibrationConfig, references: bool 
     return {"success": round(rate, 4), "mixed_groups": round(mixed, 4), "in_band": in_band}
 
 
+def _start(policy: Any, source: TrainSource, env_seed: int, task: Task, sample: int, late: bool,
+           train: TrainConfig) -> Episode:
+    """A fresh episode of `task` in a new environment capped at the trainer's turns, from the opening or with the
+    reference's leading reads played (`late`)."""
+    env = source.make_env()
+    env.max_steps = min(env.max_steps, train.max_steps_per_episode)
+    steps = leading_steps(source.reference(task), env.tool_kinds()) if late and source.reference else []
+    return start_episode(policy, source.name, env_seed, task, sample, env, preplay=steps)
+
+
 def reference_rewards(policy: Any, source: TrainSource, tasks: list[tuple[int, Task]], late: bool,
                       train: TrainConfig) -> list[bool]:
     """Whether each task's reference solution, played through the environment as a reference sample is
     (`grpo.play_reference`, after the reads a late start plays), earns full reward; False where it has none."""
     out = []
     for env_seed, task in tasks:
-        env = source.make_env()
-        env.max_steps = min(env.max_steps, train.max_steps_per_episode)
+        ep = _start(policy, source, env_seed, task, 0, late, train)
         solution = list(source.reference(task)) if source.reference else []
-        steps = leading_steps(solution, env.tool_kinds()) if late else []
-        ep = start_episode(policy, source.name, env_seed, task, 0, env, preplay=steps)
-        out.append(play_reference(policy, ep, solution[ep.preplayed:], train) and env.reward()[0] >= 1.0)
+        out.append(play_reference(policy, ep, solution[ep.preplayed:], train) and ep.env.reward()[0] >= 1.0)
     return out
 
 
@@ -98,13 +105,8 @@ def play_groups(policy: Any, source: TrainSource, tasks: list[tuple[int, Task]],
                 train: TrainConfig, seed: int) -> list[list[bool]]:
     """`samples` base-model episodes of each (env seed, task) at `train.temperature`, from the opening or with the
     reference's leading reads played (`late`); one list of successes per task, in order."""
-    episodes: list[Episode] = []
-    for env_seed, task in tasks:
-        for sample in range(samples):
-            env = source.make_env()
-            env.max_steps = min(env.max_steps, train.max_steps_per_episode)
-            steps = leading_steps(source.reference(task), env.tool_kinds()) if late and source.reference else []
-            episodes.append(start_episode(policy, source.name, env_seed, task, sample, env, preplay=steps))
+    episodes = [_start(policy, source, env_seed, task, sample, late, train)
+                for env_seed, task in tasks for sample in range(samples)]
     play(policy, episodes, train, seed=seed)
     return [[ep.env.reward()[0] >= 1 for ep in episodes[i:i + samples]] for i in range(0, len(episodes), samples)]
 
@@ -179,13 +181,14 @@ def calibrate(policy: Any, source_at: Callable[[int], TrainSource], cfg: Calibra
                     "start_late": 1.0 if at.late else train.start_late, "attempts": attempts,
                     "rollouts": sum(a["rollouts"] for a in attempts), "reason": ""}
         at = next_rung(rungs, measured, at, cfg)
-    if train.reference_samples > 0:
-        tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, "
-                          f"references of full reward {a['references_full']}/{cfg.seeds}" for a in attempts)
-        band = f"success <= {cfg.success_hi} and every reference of full reward"
-    else:
-        tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, "
-                          f"mixed groups {a['mixed_groups']:.2f}" for a in attempts)
-        band = f"success in [{cfg.success_lo}, {cfg.success_hi}], mixed groups >= {cfg.min_mixed}"
+    refs = train.reference_samples > 0
+
+    def second(a: dict[str, Any]) -> str:
+        return (f"references of full reward {a['references_full']}/{cfg.seeds}" if refs
+                else f"mixed groups {a['mixed_groups']:.2f}")
+    tried = "; ".join(f"difficulty {a['difficulty']} from the {a['start']}: success {a['success']:.2f}, {second(a)}"
+                      for a in attempts)
+    band = (f"success <= {cfg.success_hi} and every reference of full reward" if refs
+            else f"success in [{cfg.success_lo}, {cfg.success_hi}], mixed groups >= {cfg.min_mixed}")
     return {"ok": False, "difficulty": None, "start_late": None, "attempts": attempts,
             "rollouts": sum(a["rollouts"] for a in attempts), "reason": f"no setting in band ({band}): {tried}"}
