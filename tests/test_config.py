@@ -13,7 +13,7 @@ def test_defaults_are_cpu_profile():
     p = params_from_dict({})
     assert p.profile == "cpu"
     assert p.model.id == "smollm2-135m"
-    assert p.rollout.temperature == 0.3 and p.train.iterations == 3 and p.env.tasks_per_family == 6
+    assert p.rollout.temperature == 0.3 and p.train.iterations == 10 and p.env.tasks_per_family == 6
 
 
 def test_paper_profile_sets_budgets_but_file_wins_and_says_so():
@@ -42,14 +42,16 @@ def test_repo_params_yaml_switches_to_the_paper_with_one_key(tmp_path: Path):
                                                                            "merged_data"]
     assert (paper.env.tasks_per_family, paper.env.max_steps, paper.rollout.max_new_tokens) == (64, 30, 512)
     assert paper.synthesize.validation.band is True and cpu.synthesize.validation.band is False
-    assert (cpu.train.iterations, cpu.train.groups, cpu.train.learning_rate) == (3, 4, 5e-4)
+    assert (cpu.train.iterations, cpu.train.groups, cpu.train.group_size, cpu.train.learning_rate) == (10, 8, 8, 2e-3)
+    assert (cpu.train.reference_samples, cpu.train.temperature, cpu.score.max_kept) == (2, 0.8, 1)
+    assert paper.train.reference_samples == 0 and paper.score.max_kept is None
     assert paper.env.families == [] and paper.env.validation_fraction == 0  # the whole retail set
 
 
 def test_profile_overrides_lists_only_values_that_differ():
     data = {"profile": "paper", "train": {"iterations": 2, "groups": 64}, "model": {"id": "x"}, "seed": 3}
     assert profile_overrides(data) == {"train.iterations": (40, 2), "model.id": ("meta-llama/Llama-3.1-8B-Instruct", "x")}
-    assert profile_overrides({"train": {"groups": 4}}) == {}  # the cpu profile's own value
+    assert profile_overrides({"train": {"groups": 8}}) == {}  # the cpu profile's own value
 
 
 @pytest.mark.parametrize(
@@ -133,11 +135,12 @@ def test_cpu_profile_sizes_evaluate_and_paper_runs_every_method():
     cpu = params_from_dict({})
     assert cpu.evaluate.methods == ["base", "grpo_target", "grpo_target_late", "linear_merge", "single",
                                     "oracle_route", "trace"] and cpu.evaluate.route_mode == "argmax"
-    assert cpu.train.baselines == ["grpo_target", "grpo_target_late"] and cpu.scaling.budgets == [200, 400]
+    assert cpu.train.baselines == ["grpo_target", "grpo_target_late"]
+    assert cpu.scaling.budgets == [240, 368, 496, 624]
     assert cpu.train.distill.iterations == 0 and cpu.train.distill.learning_rate is None
     assert cpu.env.end_on_repeated_call and not Params().env.end_on_repeated_call
     assert Params().train.distill.iterations == 0  # outside a profile: no distillation
-    assert load_params(Path(__file__).parents[1] / "params.yaml").scaling.budgets == [200, 400]
+    assert load_params(Path(__file__).parents[1] / "params.yaml").scaling.budgets == [240, 368, 496, 624]
     # the planted testbed: the control family and three planted deficits, 48 test tasks, a validation split
     assert cpu.env.families == ["order_status", "order_total", "order_tracking", "refuse_cancel"]
     assert (cpu.env.per_family("test") * 4, cpu.env.validation_fraction > 0) == (48, True)

@@ -692,18 +692,24 @@ PROFILES: dict[str, dict[str, Any]] = {
         # a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted
         "rollout": {"samples_per_task": 2, "temperature": 0.3, "max_new_tokens": 96, "batch_size": 16,
                     "constrained": True, "tool_choice": "first"},
-        # each environment fitted to the base model before training, or dropped with the reason
+        # the capability of largest gap only: one adapter's training is what 2 cores afford in the hour
+        "score": {"max_kept": 1},
+        # each environment fitted to the base model before training (kinds it does not solve, references of full
+        # reward), or dropped with the reason
         "synthesize": {"difficulty": 0, "validation": {"band": False},
-                       "calibration": {"enabled": True, "seeds": 6, "samples": 8, "max_attempts": 3}},
-        # G4 x K8 at T 0.5, LoRA on the top 8 layers; GRPO on target and its reads-played ablation at TRACE's total
-        "train": {"iterations": 3, "groups": 4, "group_size": 8, "temperature": 0.5, "learning_rate": 5e-4,
-                  "lora_layers": 8, "dtype": "auto", "baselines": ["grpo_target", "grpo_target_late"],
-                  "distill": {"iterations": 0}},
+                       "calibration": {"enabled": True, "seeds": 4, "samples": 8, "max_attempts": 3}},
+        # G8 x K8 at T 0.8, 2 of each group the task's reference, 640 rollouts per adapter, LoRA on the top 8
+        # layers (docs/LOG.md: the reference-sample gate); GRPO on target and its reads-played ablation at TRACE's
+        # total
+        "train": {"iterations": 10, "groups": 8, "group_size": 8, "temperature": 0.8, "learning_rate": 2e-3,
+                  "reference_samples": 2, "lora_layers": 8, "dtype": "auto",
+                  "baselines": ["grpo_target", "grpo_target_late"], "distill": {"iterations": 0}},
         # greedy episodes of every method but GEPA (needs an LLM), merged data and the student (gpu, paper)
         "evaluate": {"methods": ["base", "grpo_target", "grpo_target_late", "linear_merge", "single", "oracle_route",
                                  "trace"], "route_mode": "argmax", "interference_seeds": 2,
                      "router": "knn", "decode_together": True, "batch_size": 32},
-        "scaling": {"budgets": [200, 400]},
+        # TRACE after 2, 4, 6 and 8 of its 10 updates (its discovery and calibration first), and the final adapter
+        "scaling": {"budgets": [240, 368, 496, 624]},
         "testbed": {
             # four one-lookup families: order_status (the control the base model solves) and three planted
             # deficits; 24 train, 16 validation and 48 test tasks; the router chosen on validation

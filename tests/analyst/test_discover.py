@@ -163,7 +163,7 @@ def test_merge_with_the_analyst_keeps_forgotten_proposals():
 
 def _params(tmp_path):
     return params_from_dict({"env": {"families": [], "tasks_per_family": 2}, "analyst": {"backend": "rules"},
-                             "discover": {"batch_size": 10, "runs": 2}, "score": {"n_boot": 200}})
+                             "discover": {"batch_size": 10, "runs": 2}, "score": {"n_boot": 200, "max_kept": None}})
 
 
 def test_discover_and_score_stages_on_retail(tmp_path, retail_runs):

@@ -39,6 +39,7 @@ def tiny_params(model_dir: Path) -> dict:
                           "max_steps": 3})
     # a tiny random model is in no calibration band: the environments would all be dropped
     params["synthesize"]["calibration"] = {"enabled": False}
+    params["score"]["max_kept"] = None  # every capability that passes trains (the cpu profile keeps one)
     params["rollout"].update({"samples_per_task": 1, "max_new_tokens": 24, "batch_size": 4})
     return params
 

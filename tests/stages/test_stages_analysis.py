@@ -21,7 +21,7 @@ from trace_lib.io import write_jsonl
 REPO = Path(__file__).resolve().parents[2]
 FIGURES = ("score_error_rates.png", "score_delta_coverage.png", "score_stability.png")
 PARAMS = {"env": {"families": [], "tasks_per_family": 2}, "analyst": {"backend": "rules"},
-          "discover": {"batch_size": 8}, "score": {"n_boot": 200}}
+          "discover": {"batch_size": 8}, "score": {"n_boot": 200, "max_kept": None}}
 
 pytestmark = pytest.mark.e2e
 

@@ -61,7 +61,7 @@ def test_each_process_gets_whole_groups_or_a_clear_error():
     with pytest.raises(ValueError, match="train.shared_prompt must be on"):
         _micro_batch(cfg.model_copy(update={"shared_prompt": False, "micro_batch": 4}), 2)
     # params.yaml fails before any work
-    with pytest.raises(ConfigError, match=r"train.groups \(4\) must be a multiple of train.processes \(3\)"):
+    with pytest.raises(ConfigError, match=r"train.groups \(8\) must be a multiple of train.processes \(3\)"):
         params_from_dict({"train": {"processes": 3}})
     with pytest.raises(ConfigError, match="needs train.shared_prompt"):
         params_from_dict({"train": {"processes": 2, "shared_prompt": False}})
