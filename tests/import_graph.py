@@ -2,7 +2,7 @@
 
 Used by tests/test_layout.py. Every `import` statement counts, at any depth (a function-level import
 is still a dependency and can still close a cycle), and so does a string constant that is exactly a
-trace module's name (`[..., "-m", "trace_lib.sandbox.worker"]`, `import_module("trace_lib.envs.retail")`);
+trace module's name (`[..., "-m", "trace_lib.synth.worker"]`, `import_module("trace_lib.envs.retail")`);
 prose that mentions a module (docstrings, messages) does not.
 Importing `trace_lib.a.b` also runs `trace_lib/__init__.py` and `trace_lib/a/__init__.py`.
 """
@@ -59,7 +59,7 @@ def imports_in_source(source: str, package: str, strings: bool = True) -> set[st
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str) \
                 and _MODULE_STRING.fullmatch(node.value):
-            names = [node.value]  # a module named as data: `-m trace_lib.sandbox.worker`, importlib strings
+            names = [node.value]  # a module named as data: `-m trace_lib.synth.worker`, importlib strings
         for name in names:
             if name.split(".")[0] == "trace_lib":
                 found.update(n for n in _with_parents(name) if module_file(n))

@@ -69,8 +69,8 @@ def test_every_param_a_stage_names_is_in_params_yaml():
 
 def test_closure_follows_function_level_imports_and_module_strings():
     found = imports_in_source("def f():\n    from trace_lib.engine import policy\n"
-                              "cmd = ['-m', 'trace_lib.sandbox.worker']\n", "")
-    assert {"trace_lib", "trace_lib.engine", "trace_lib.engine.policy", "trace_lib.sandbox.worker"} <= found
+                              "cmd = ['-m', 'trace_lib.synth.worker']\n", "")
+    assert {"trace_lib", "trace_lib.engine", "trace_lib.engine.policy", "trace_lib.synth.worker"} <= found
     assert "trace_lib.config" in closure({"trace_lib.stages.rollout"})  # imported by what it imports
     assert imports_in_source('"""Written by trace_lib.stages.train."""\nx = "see trace_lib.io"\n', "") == set()
 
@@ -113,11 +113,51 @@ FLOORS = {
 """Lower floors and what each may import of the library (besides the `trace_lib` package itself and its own
 modules): the engine knows nothing of the method, the LLM client and the budget sit below every stage."""
 FORBIDDEN_BELOW = {"trace_lib.envs": ("trace_lib.synth", "trace_lib.analyst"),
-                   "trace_lib.sandbox": ("trace_lib.synth.synthesize", "trace_lib.synth.templates",
-                                         "trace_lib.synth.validate", "trace_lib.analyst")}
+                   "trace_lib.sandbox": ("trace_lib.envs", "trace_lib.synth", "trace_lib.analyst")}
 """Packages that must not import upward: the environments run below synthesis and the analyst; the sandbox below
-the synthesizers (its worker speaks the module contract, whose rubric verdicts and tool errors live in
-`synth.rubric` and `synth.world`)."""
+everything it runs (the worker that speaks the synthesized-environment contract lives in `synth/`; `synth_sdk`
+is matched by the `trace_lib.synth` prefix)."""
+
+
+def _package_of(module: str) -> str:
+    """`trace_lib.envs.retail` -> `trace_lib.envs`; a top-level module is its own package."""
+    return ".".join(module.split(".")[:2])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_cross_package_uses(source: str, module: str) -> list[str]:
+    """`from pkg.mod import _x` and `mod._x` where `mod` is a trace_lib module of another package."""
+    own = _package_of(module)
+    bound: dict[str, str] = {}  # local name -> the trace_lib module it is bound to
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("trace_lib.") and a.asname:
+                    bound[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trace_lib"):
+            for a in node.names:
+                target = f"{node.module}.{a.name}"
+                if _private(a.name) and _package_of(node.module) != own:
+                    found.append(f"{module}: from {node.module} import {a.name}")
+                elif module_file(target):
+                    bound[a.asname or a.name] = target
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and _private(node.attr) and _package_of(bound[node.value.id]) != own):
+            found.append(f"{module}: {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_a_private_name_of_another_package():
+    assert private_cross_package_uses("from trace_lib.envs import retail\nretail._Session()\n",
+                                      "trace_lib.synth.world") == ["trace_lib.synth.world: trace_lib.envs.retail._Session"]
+    assert private_cross_package_uses("from trace_lib.envs.retail import _x\n", "trace_lib.envs.tau2") == []
+    found = [f for m in all_modules() for f in private_cross_package_uses(module_file(m).read_text(), m)]
+    assert not found, "private names used across packages:\n" + "\n".join(found)
 
 
 def _inside(name: str, package: str) -> bool:

@@ -292,7 +292,7 @@ def test_evaluate_killed_mid_stage_and_while_dvc_saves_its_outputs(repo: Path, r
     """Killed (dvc's process group only) once evaluate has run the base episodes and opened the synthetic
     environments' sandboxes: the kernel and the sandbox workers must exit by themselves. Then, rerun,
     killed after the notebook finished, while dvc caches the outputs and writes dvc.lock."""
-    _kill(repo, ["--force", "-s", "evaluate"], lambda tree: _running(tree, "trace_lib.sandbox.worker"),
+    _kill(repo, ["--force", "-s", "evaluate"], lambda tree: _running(tree, "trace_lib.synth.worker"),
           whole_tree=False)
     assert not (repo / "data/evaluate/results.jsonl").exists()
     _assert_artifacts_whole(repo, notebooks=False)

@@ -70,7 +70,7 @@ def _tool_params() -> dict[str, Any]:
 
 
 @lru_cache(maxsize=1)
-def _pristine_hash() -> str:
+def pristine_hash() -> str:
     return _base_toolkit().get_db_hash()
 
 
@@ -118,7 +118,7 @@ def _session_db(base):
     return base.model_construct(users=dict(base.users), orders=dict(base.orders), products=base.products)
 
 
-class _Session:
+class Session:
     """τ²'s RetailTools on a copy-on-write database; remembers whether anything was written."""
 
     def __init__(self) -> None:
@@ -143,7 +143,7 @@ class _Session:
         self._own("users", args.get("user_id"))
 
     def db_hash(self) -> str:
-        return _pristine_hash() if not self.owned else self.kit.get_db_hash()
+        return pristine_hash() if not self.owned else self.kit.get_db_hash()
 
 
 def without_empty_fields(value: Any) -> Any:
@@ -156,7 +156,7 @@ def without_empty_fields(value: Any) -> Any:
     return value
 
 
-def execute_call(session: _Session, call: ToolCall, compact: bool = False) -> tuple[str, bool]:
+def execute_call(session: Session, call: ToolCall, compact: bool = False) -> tuple[str, bool]:
     """Run one call with τ²'s tool on `session`; errors come back as τ² phrases them ("Error: ..."). `compact`:
     the result without its empty fields (`without_empty_fields`), as the built-in target shows it."""
     from tau2.environment.environment import Environment as Tau2Environment
@@ -192,7 +192,7 @@ def gold_db_hash(task: Task) -> tuple[str, str | None]:
     """Hash of the database after replaying the task's gold actions, and the first gold error."""
     key = task.id + "|" + json.dumps([c.model_dump(mode="json") for c in task.gold_actions], sort_keys=True)
     if key not in _GOLD_HASHES:
-        session, error = _Session(), None
+        session, error = Session(), None
         for call in task.gold_actions:
             text, is_error = execute_call(session, call)
             if is_error and error is None:
@@ -214,7 +214,7 @@ class RetailEnv(Environment):
         self._kinds = {t.name: t.kind for t in self._tools}
         self.require_confirmation = require_confirmation
         self.user_max_turns = user_max_turns
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._user: ScriptedUser | None = None
         self._writes: list[dict[str, Any]] = []
 
@@ -226,7 +226,7 @@ class RetailEnv(Environment):
         return load_policy_text()
 
     def _reset_state(self, task: Task) -> None:
-        self._session = _Session()
+        self._session = Session()
         self._user = ScriptedUser(task.user, max_turns=self.user_max_turns)
         self._writes = []
 

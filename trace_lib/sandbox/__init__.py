@@ -8,7 +8,7 @@ Two layers:
 * `check_source` (static, in the parent, nothing runs): imports outside `ALLOWED_IMPORTS`, forbidden
   builtins (`open`, `exec`, `eval`, ...), dunder introspection (`__globals__`, `__subclasses__`, ...)
   and missing contract names (see `trace_lib.synth_sdk`) are rejected with a line number each.
-* `SandboxProcess` (dynamic): the module is imported only inside `python -m trace_lib.sandbox.worker`,
+* `SandboxProcess` (dynamic): the module is imported only inside a worker process (`WORKER`, `python -m`),
   started in a new session with a scratch cwd, a minimal environment (no API keys, no proxies),
   rlimits on address space, CPU time and file size, its own empty network namespace when `unshare`
   permits it, and a worker that fences the module's builtins and the host's process / network / file
@@ -77,6 +77,11 @@ DANGEROUS_DUNDERS = ("__subclasses__", "__globals__", "__builtins__", "__code__"
                      "__mro__", "__loader__", "__spec__", "__dict__", "__import__", "__getattribute__",
                      "__closure__", "__func__", "__self__", "__reduce__", "__traceback__", "__base__")
 """Names also rejected inside string constants ("{0.__class__}".format(x) reaches them without an attribute)."""
+
+
+WORKER = "trace_lib.synth.worker"
+"""The worker module a `SandboxProcess` starts by default: the synthesized-environment contract's server. Named as
+data, never imported here, so the sandbox stays below what it runs."""
 
 
 class SandboxError(RuntimeError):
@@ -306,10 +311,11 @@ class SandboxProcess:
     """One worker process serving one module; a context manager. See the module docstring.
 
     `trusted=True` skips the static check and the module's builtins fence on load; only tests use
-    it, to show that the process-level defenses hold for code that got past the Python-level ones."""
+    it, to show that the process-level defenses hold for code that got past the Python-level ones.
+    `worker`: the module started with `python -m` that loads the module and serves its requests."""
 
     def __init__(self, module_path: str | Path, limits: SandboxLimits | None = None, *,
-                 trusted: bool = False) -> None:
+                 trusted: bool = False, worker: str = WORKER) -> None:
         self.module_path = Path(module_path).resolve()
         self.limits = limits or SandboxLimits()
         self._lock = threading.Lock()
@@ -327,7 +333,7 @@ class SandboxProcess:
         self.nproc_limited = nproc
         """Whether RLIMIT_NPROC forbids forking (never for root, which the kernel exempts)."""
         # -P: the scratch cwd is not put on sys.path, so files written there can never shadow a module
-        cmd = [*prefix, sys.executable, "-P", "-m", "trace_lib.sandbox.worker"]
+        cmd = [*prefix, sys.executable, "-P", "-m", worker]
         try:
             self._proc = subprocess.Popen(
                 cmd, cwd=self.scratch, env=child_env(scratch=self.scratch), stdin=subprocess.PIPE,

@@ -77,7 +77,7 @@ class TargetWorld:
                              "trace_lib.envs.phone.world.PhoneWorld (from a task's meta['world'])")
         retail = _retail()
         self._retail = retail
-        self._session = retail._Session()
+        self._session = retail.Session()
         self._names = {spec.name for spec in _specs(name, tools)}
         self._compact = name == "retail"  # results as the built-in target shows them (τ²'s own: whole)
         self.calls: list[dict[str, Any]] = []

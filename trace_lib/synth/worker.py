@@ -1,6 +1,6 @@
 """The sandbox worker: imports one synthesized environment module and serves its contract over pipes.
 
-Started only by `trace_lib.sandbox.SandboxProcess` (`python -m trace_lib.sandbox.worker`), already
+Started only by `trace_lib.sandbox.SandboxProcess` (`python -m trace_lib.synth.worker`), already
 under rlimits, in a scratch cwd and, where permitted, an empty network namespace. Reads JSON-line
 requests `{"id", "method", "params"}` on stdin; writes one JSON-line reply per request,
 `{"id", "ok": true, "result"}` or `{"id", "ok": false, "error"}`, on a private copy of the original
@@ -181,7 +181,7 @@ def preload() -> None:
 
     retail.load_base_db()
     retail.retail_tool_specs("all")
-    retail._pristine_hash()
+    retail.pristine_hash()
 
 
 def _memory_hint() -> str:
