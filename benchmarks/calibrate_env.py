@@ -54,11 +54,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         module = Path(tmp) / "env.py"
         module.write_text(source_text)
-        with SandboxProcess(module, sandbox_limits(params)) as box:
+        with SandboxProcess(module, sandbox_limits(params.synthesize.validation)) as box:
             for setting in [s for s in ladder(min(levels), max(levels)) if s.difficulty in levels]:
                 t0 = time.perf_counter()
-                out = measure(policy, synthetic_source(box, a.capability, params, difficulty=setting.difficulty),
-                              setting, cal, train, params.seed)
+                source = synthetic_source(box, a.capability, params.env, params.train.max_steps_per_episode,
+                                          setting.difficulty)
+                out = measure(policy, source, setting, cal, train, params.seed)
                 print(json.dumps({"capability": a.capability, "kinds": a.kinds, "temperature": train.temperature,
                                   **out, "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
 

@@ -115,7 +115,8 @@ def main() -> None:
     spec = next(c for c in CAPABILITIES if c.id == args.capability)
     cap = Capability(id=spec.id, name=spec.name, description=spec.description, recognition=spec.recognition)
     kinds = dict(_pair(kv, int) for kv in args.kinds.split(",") if kv) or None
-    manifest = synthesize_env(cap, "template", params, root, kinds=kinds)
+    manifest = synthesize_env(cap, "template", params.synthesize, params.env, params.rollout.split, root,
+                              kinds=kinds)
     if not manifest.valid:
         raise SystemExit(f"{args.capability}: the template environment failed validation: {manifest.reason}")
     result: dict = {"capability": args.capability, "device_profile": args.profile,
@@ -126,14 +127,16 @@ def main() -> None:
                     "difficulty": params.synthesize.difficulty, "kinds": kinds, "overrides": args.set,
                     "setup_seconds": round(time.perf_counter() - t0, 1)}
     out = root / "adapters"
-    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
+    with SandboxProcess(root / manifest.path, sandbox_limits(params.synthesize.validation)) as box:
         t0 = time.perf_counter()
         done = out / args.capability / "manifest.json"
         if done.exists():  # an earlier run's adapter under --root: evaluate it (e.g. on more target tasks)
             m = AdapterManifest.model_validate_json(done.read_text())
             result["train_seconds"] = None
         else:
-            m = train_adapter_mixture(model_dir, [synthetic_source(box, args.capability, params)], params.train,
+            source = synthetic_source(box, args.capability, params.env, params.train.max_steps_per_episode,
+                                      params.synthesize.difficulty)
+            m = train_adapter_mixture(model_dir, [source], params.train,
                                       out / args.capability, seed=args.seed,
                                       ledger=RolloutLedger(out / "ledger.jsonl"), name=args.capability,
                                       timing_path=out / "timing.json")

@@ -68,7 +68,7 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="hint_swap-"))
     seed = params.seed if args.seed is None else args.seed
     result: dict = {"capability": args.capability, "iterations": args.iterations, "seed": seed, "arms": {}}
-    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
+    with SandboxProcess(root / manifest.path, sandbox_limits(params.synthesize.validation)) as box:
         adapters = {}
         lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [params.train.learning_rate]
         lates = [float(x) for x in args.start_lates.split(",")] if args.start_lates else [params.train.start_late]
@@ -96,8 +96,9 @@ def main() -> None:
             if (out / name / "manifest.json").exists():  # --out of an earlier run: evaluate what it trained
                 m = AdapterManifest.model_validate_json((out / name / "manifest.json").read_text())
             else:
-                m = train_adapter_mixture(root / params.model.out_dir,
-                                          [synthetic_source(box, args.capability, params)], cfg, out / name,
+                source = synthetic_source(box, args.capability, params.env, params.train.max_steps_per_episode,
+                                          params.synthesize.difficulty)
+                m = train_adapter_mixture(root / params.model.out_dir, [source], cfg, out / name,
                                           seed=seed, ledger=RolloutLedger(out / f"{name}.ledger.jsonl"),
                                           name=name, timing_path=out / f"{name}.timing.json")
             adapters[name] = str(out / name)

@@ -43,7 +43,7 @@ def main() -> None:
     names = sorted(caps)
     if not names:
         raise SystemExit(f"no capability adapters under {root / 'data/adapters'}: run the pipeline first")
-    policy = open_policy(params, root / params.model.out_dir, caps, threads=params.rollout.threads)
+    policy = open_policy(params.model, params.policy, root / params.model.out_dir, caps, threads=params.rollout.threads)
     rcfg = eval_rollout_config(params.rollout, cfg)
     envs_on_disk = inputs.synthetic_manifests(root)
     with ExitStack() as stack:

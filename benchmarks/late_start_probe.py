@@ -45,8 +45,9 @@ def main() -> None:
     # model_copy does not validate, so 0 passes TrainConfig's temperature > 0; the sampler is greedy at 0
     cfg = params.train.model_copy(update={"temperature": temperature})
     seeds = list(range(params.train.seed_offset, params.train.seed_offset + args.tasks))
-    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
-        source = synthetic_source(box, args.capability, params)  # the train stage's: its env, tasks, reference
+    with SandboxProcess(root / manifest.path, sandbox_limits(params.synthesize.validation)) as box:
+        source = synthetic_source(box, args.capability, params.env, params.train.max_steps_per_episode,
+                                  params.synthesize.difficulty)  # the train stage's: its env, tasks, reference
         episodes = []
         for task in source.make_tasks(seeds):
             env = source.make_env()

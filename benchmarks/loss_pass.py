@@ -74,7 +74,8 @@ def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path,
     try:
         with SandboxProcess(module, SandboxLimits(timeout_s=30, cpu_s=3600, memory_mb=2048)) as box:
             # the train stage's source: with the reference solution a late start plays
-            source = synthetic_source(box, capability, params.model_copy(update={"train": cfg}))
+            source = synthetic_source(box, capability, params.env, cfg.max_steps_per_episode,
+                                      params.synthesize.difficulty)
             trainer_mod.train_adapter_mixture(model_dir, [source], cfg, tmp / "adapter", seed=params.seed,
                                               ledger=RolloutLedger(tmp / "ledger.jsonl"), name="loss_pass")
     finally:

@@ -79,7 +79,7 @@ def main() -> None:
     full = torch.get_num_threads()
     log = ThreadLog(full)
     torch.set_num_threads = log  # the governor calls it through the torch module
-    policy = open_policy(params, Path(params.model.out_dir))  # as the rollout stage opens it
+    policy = open_policy(params.model, params.policy, Path(params.model.out_dir))  # as the rollout stage opens it
     tasks = make_tasks(params.env, params.rollout.split)[: args.tasks]
     rows = args.rows.split(",")
     out = []

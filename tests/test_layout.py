@@ -152,6 +152,36 @@ def private_cross_package_uses(source: str, module: str) -> list[str]:
     return found
 
 
+EDGES = ("trace_lib.stages", "trace_lib.config", "trace_lib.sweep", "trace_lib.notebook")
+"""Modules that may read the whole `Params`: the stages, the config itself and the entry points that check a
+params.yaml (sweeps, the notebook's setup)."""
+
+
+def whole_params_uses(source: str, module: str) -> list[str]:
+    """Where `source` takes the whole `Params`: imports of `Params`/`load_params`/`params_from_dict`, or a
+    function parameter named `params` or annotated `Params` (a `**params` of keyword arguments and a
+    `params: dict[...]` of JSON-schema properties are not)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "trace_lib.config":
+            found += [f"{module}: imports {a.name}" for a in node.names
+                      if a.name in ("Params", "load_params", "params_from_dict")]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                note = ast.unparse(a.annotation) if a.annotation else ""
+                if note == "Params" or (a.arg == "params" and not note.startswith("dict")):
+                    found.append(f"{module}: {node.name}({a.arg}: {note or '?'})")
+    return found
+
+
+def test_only_the_stages_take_the_whole_params():
+    assert whole_params_uses("def f(params: Any, x): pass\n", "m") == ["m: f(params: Any)"]
+    assert whole_params_uses("def f(cfg: Params): pass\ndef g(**params): pass\n", "m") == ["m: f(cfg: Params)"]
+    found = [f for m in all_modules() if not any(_inside(m, e) for e in EDGES)
+             for f in whole_params_uses(module_file(m).read_text(), m)]
+    assert not found, "the whole Params below the stages:\n" + "\n".join(found)
+
+
 def test_no_module_uses_a_private_name_of_another_package():
     assert private_cross_package_uses("from trace_lib.envs import retail\nretail._Session()\n",
                                       "trace_lib.synth.world") == ["trace_lib.synth.world: trace_lib.envs.retail._Session"]

@@ -96,14 +96,15 @@ def test_anthropic_reflection_through_the_sdk(policy, tmp_path):
 
 def test_gepa_status_reasons(monkeypatch):
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
-    assert gepa_status(Params()) == RULES_REASON
-    assert gepa_status(Params(), budget_total=100) == RULES_REASON
+    assert gepa_status(Params().analyst, Params().evaluate) == RULES_REASON
+    assert gepa_status(Params().analyst, Params().evaluate, budget_total=100) == RULES_REASON
     anthropic = Params.model_validate({"analyst": {"backend": "anthropic"}})
-    assert gepa_status(anthropic, 0).startswith("TRACE's rollout budget is 0")
-    assert gepa_status(anthropic, 5) is None and gepa_status(anthropic) is None
+    assert gepa_status(anthropic.analyst, anthropic.evaluate, 0).startswith("TRACE's rollout budget is 0")
+    assert gepa_status(anthropic.analyst, anthropic.evaluate, 5) is None
+    assert gepa_status(anthropic.analyst, anthropic.evaluate) is None
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gepa" else real(name, *a))
-    assert "pip install gepa==0.1.4" in gepa_status(anthropic, 5)
+    assert "pip install gepa==0.1.4" in gepa_status(anthropic.analyst, anthropic.evaluate, 5)
 
 
 def test_run_evaluate_gepa_row(tmp_path, tiny_model_dir, monkeypatch):

@@ -515,9 +515,9 @@ def test_baseline_row_at_equal_budget_from_ledgers(tmp_path):
 def test_gepa_row_reason(monkeypatch):
     params = Params()
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
-    assert gepa_status(params) == RULES_REASON
+    assert gepa_status(params.analyst, params.evaluate) == RULES_REASON
     anthropic = Params.model_validate({"analyst": {"backend": "anthropic"}})
-    assert gepa_status(anthropic) is None  # an LLM analyst and gepa installed: the row can run
+    assert gepa_status(anthropic.analyst, anthropic.evaluate) is None  # an LLM analyst and gepa installed: it runs
 
 
 def test_evaluate_config_rejects_repeated_greedy_samples():

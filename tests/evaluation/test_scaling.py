@@ -261,7 +261,7 @@ def run_scaling_test(tmp_path, tiny_model_dir, loras, monkeypatch, server: dict,
     opened: list[list[str]] = []
 
     def recording(*args, **kwargs):
-        opened.append(sorted(args[2]))
+        opened.append(sorted(args[3]))
         return real(*args, **kwargs)
 
     real = stage.open_policy

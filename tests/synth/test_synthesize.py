@@ -30,6 +30,11 @@ NO_CALIBRATION = {"calibration": {"enabled": False}}
 """The cpu profile calibrates each environment with the prepared model; these tests have none."""
 
 
+def _synthesize(cap, backend, params, root, **kw):
+    """`synthesize_env` with the sections the synthesize stage passes it."""
+    return synthesize_env(cap, backend, params.synthesize, params.env, params.rollout.split, root, **kw)
+
+
 def _params(**synth):
     return params_from_dict({"analyst": {"backend": "rules"}, "synthesize": {**NO_CALIBRATION, **synth}})
 
@@ -82,7 +87,7 @@ def test_template_env_draws_the_kinds_its_evidence_failed_on(tmp_path):
     assert run_synthesize(params, tmp_path)["valid"] == 1
     (manifest,) = valid_envs(tmp_path)
     assert 'KINDS = {"total": 2, "tracking": 1}' in (tmp_path / manifest.path).read_text()
-    manifest = synthesize_env(cap, "template", params, tmp_path, evidence=evidence, kinds={"refusal": 1})
+    manifest = _synthesize(cap, "template", params, tmp_path, evidence=evidence, kinds={"refusal": 1})
     assert manifest.valid and 'KINDS = {"refusal": 1}' in (tmp_path / manifest.path).read_text()
 
 
@@ -175,7 +180,7 @@ def test_with_reference_samples_the_kinds_the_base_solves_are_not_drawn_and_refe
 def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):
     params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "tau2-airline"},
                                "synthesize": NO_CALIBRATION})
-    manifest = synthesize_env(_cap("communicate_result"), "template", params, tmp_path)
+    manifest = _synthesize(_cap("communicate_result"), "template", params, tmp_path)
     assert not manifest.valid and "not 'tau2-airline'" in manifest.reason
 
 
@@ -186,7 +191,7 @@ def test_llm_synthesizer_feeds_validation_errors_back_until_valid(tmp_path):
     with FakeMessagesAPI(replies) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
                            base_url=api.url, api_key="k", max_retries=0)
-        manifest = synthesize_env(_cap("communicate_result"), "anthropic", params, tmp_path, client=client)
+        manifest = _synthesize(_cap("communicate_result"), "anthropic", params, tmp_path, client=client)
     assert manifest.valid and manifest.attempts == 2 and manifest.source == "anthropic"
     first = read_json(tmp_path / "data/envs/communicate_result/attempts/01.json")
     assert not first["valid"] and first["failed"] == "static"
@@ -205,7 +210,7 @@ def test_llm_synthesizer_on_the_phone_gets_the_phone_sdk_and_its_module_validate
     with FakeMessagesAPI([(200, _message(f"```python\n{phone_module}```"))]) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
                            base_url=api.url, api_key="k", max_retries=0)
-        manifest = synthesize_env(_cap("state_dependency_resolution"), "anthropic", params, tmp_path, client=client)
+        manifest = _synthesize(_cap("state_dependency_resolution"), "anthropic", params, tmp_path, client=client)
     assert manifest.valid and manifest.target_env == "phone", manifest.reason
     system = api.requests[0]["system"][0]["text"]
     assert "an assistant acting on the user's phone" in system and "phone_rubric(trajectory, meta)" in system
@@ -236,7 +241,7 @@ def test_llm_synthesizer_gives_up_after_max_attempts_with_the_reason(tmp_path):
     with FakeMessagesAPI([(200, _message(broken))]) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
                            base_url=api.url, api_key="k", max_retries=0)
-        manifest = synthesize_env(_cap("communicate_result"), "anthropic", params, tmp_path, client=client)
+        manifest = _synthesize(_cap("communicate_result"), "anthropic", params, tmp_path, client=client)
     assert not manifest.valid and manifest.attempts == 2 and "static" in manifest.reason
     assert len(api.requests) == 2 and not (tmp_path / "data/envs/communicate_result/env.py").exists()
     assert sorted(p.name for p in (tmp_path / "data/envs/communicate_result/attempts").iterdir()) == [

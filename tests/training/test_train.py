@@ -1145,7 +1145,7 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
         capability_id="cap", path="envs/cap", sha256="0", calibration=calibration, difficulty={"value": 0})])
     monkeypatch.setattr(stage, "SandboxProcess", Box)
     monkeypatch.setattr(stage, "trace_budget", lambda root, names, split: {"total": 6 + 4 * len(names)})
-    monkeypatch.setattr(stage, "target_source", lambda params, root: None)
+    monkeypatch.setattr(stage, "target_source", lambda env, split, root: None)
     monkeypatch.setattr(stage, "train_adapter_mixture", fake_train)
     metrics = stage.run_train(params, tmp_path)
 
@@ -1199,7 +1199,7 @@ def test_the_baselines_get_tracess_discovery_and_calibration_even_when_no_enviro
 
     monkeypatch.setattr(stage, "valid_envs", lambda root: [])
     monkeypatch.setattr(stage, "trace_budget", lambda root, names, split: {"total": 48 + 96 + 3})
-    monkeypatch.setattr(stage, "target_source", lambda params, root: None)
+    monkeypatch.setattr(stage, "target_source", lambda env, split, root: None)
     monkeypatch.setattr(stage, "train_adapter_mixture", fake_train)
     metrics = stage.run_train(params, tmp_path)
     assert budgets == {"grpo_target": (147, 146, params.train.start_late), "grpo_target_late": (147, 146, 1.0)}

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_lib.analyst.render import render_trajectory
-from trace_lib.config import EvaluateConfig, RolloutConfig
+from trace_lib.config import AnalystConfig, EnvConfig, EvaluateConfig, RolloutConfig
 from trace_lib.envs import load_tasks
 from trace_lib.envs.base import Environment
 from trace_lib.evaluation.runner import (
@@ -61,17 +61,17 @@ Example = tuple[str, Task]
 """One GEPA data instance: (target env name, train task)."""
 
 
-def gepa_status(params: Any, budget_total: int | None = None) -> str | None:
+def gepa_status(analyst: AnalystConfig, cfg: EvaluateConfig, budget_total: int | None = None) -> str | None:
     """Why the GEPA row cannot run, or None when it can (LLM analyst, gepa installed, budget > 0)."""
     from trace_lib.llm import resolve_analyst
 
-    backend = resolve_analyst(params.analyst, announce=False)
+    backend = resolve_analyst(analyst, announce=False)
     if backend == "rules":
         return RULES_REASON
     if importlib.util.find_spec("gepa") is None:
         return (f"the analyst backend {backend!r} could reflect, but the gepa package is not installed "
                 "(pip install gepa==0.1.4)")
-    if budget_total is not None and gepa_budget(budget_total, params.evaluate) < 1:
+    if budget_total is not None and gepa_budget(budget_total, cfg) < 1:
         return "TRACE's rollout budget is 0 (no adapter ledgers), so GEPA's equal budget is 0 metric calls"
     return None
 
@@ -274,23 +274,23 @@ def prompt_markdown(prompts: Mapping[str, str]) -> str:
     return "".join(f"## {name}\n\n{text.rstrip()}\n\n" for name, text in prompts.items())
 
 
-def run_gepa(policy: Any, params: Any, root: Path, trace_total: int,
-             make_env: Callable[[Any], Environment]) -> GepaRun:
-    """The evaluate stage's GEPA row: optimize on each target's train split, write the prompt and ledger."""
+def run_gepa(policy: Any, env_cfg: EnvConfig, cfg: EvaluateConfig, rollout: RolloutConfig, analyst: AnalystConfig,
+             seed: int, root: Path, trace_total: int, make_env: Callable[[Any], Environment]) -> GepaRun:
+    """The evaluate stage's GEPA row: optimize on each target's train split (`env_cfg` and `evaluate.targets`), with
+    `analyst` reflecting, write the prompt and ledger."""
     from trace_lib.llm import analyst_client
 
-    cfg: EvaluateConfig = params.evaluate
     paths = Paths(root)
     ledger = RolloutLedger(paths.gepa_rollouts)
     ledger.reset(STAGE, "", [])  # a rerun starts from an empty count
     train = {}
-    for ecfg, _ in eval_targets(params.env, cfg, root):
+    for ecfg, _ in eval_targets(env_cfg, cfg, root):
         tasks = load_tasks(ecfg, "train", root)
         train[ecfg.name] = (lambda e=ecfg: make_env(e), tasks[: cfg.gepa_tasks] if cfg.gepa_tasks else tasks)
-    client = analyst_client(params.analyst, paths.gepa_llm, root, params.seed)
+    client = analyst_client(analyst, paths.gepa_llm, root, seed)
     if client is None:
         raise ValueError(RULES_REASON)
-    out = optimize_system_prompt(policy, train, llm_reflection(client), eval_rollout_config(params.rollout, cfg),
+    out = optimize_system_prompt(policy, train, llm_reflection(client), eval_rollout_config(rollout, cfg),
                                  gepa_budget(trace_total, cfg), ledger, seed=cfg.seed, minibatch=cfg.gepa_minibatch)
     atomic_write_text(paths.gepa_prompt, prompt_markdown(out.prompts))
     out.record["ledger"] = paths.gepa_rollouts.relative_to(root).as_posix()

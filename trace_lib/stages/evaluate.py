@@ -125,7 +125,8 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
     paths.validation_labels.unlink(missing_ok=True)
     caps, baselines = find_adapters(root)
     names = sorted(caps)
-    policy = open_policy(params, Path(params.model.out_dir), {**caps, **baselines}, threads=params.rollout.threads)
+    policy = open_policy(params.model, params.policy, Path(params.model.out_dir), {**caps, **baselines},
+                         threads=params.rollout.threads)
     for folder in [*caps.values(), *baselines.values()]:
         inputs.check_base_model(folder, policy.base_id)
     rcfg = eval_rollout_config(params.rollout, cfg)
@@ -168,9 +169,10 @@ def run_evaluate(params: Params, root: Path = Path("."), *, progress: bool = Tru
         else:
             add(name, name, label, f"no adapter at {paths.adapter(name, True).relative_to(root)} "
                                    "(train it at TRACE's budget: trace_lib.budget.trace_budget)")
-    gepa_reason, gepa_record = gepa_status(params, budget["total"]), None
+    gepa_reason, gepa_record = gepa_status(params.analyst, params.evaluate, budget["total"]), None
     if gepa_reason is None and "gepa" in wanted:
-        gepa = run_gepa(policy, params, root, budget["total"], make_env)
+        gepa = run_gepa(policy, params.env, params.evaluate, params.rollout, params.analyst, params.seed, root,
+                        budget["total"], make_env)
         add("gepa", "gepa", "GEPA (system prompt)", routing_for=lambda e, ts: None, prompts=gepa.prompts,
             budget_n=gepa.record["rollouts_used"], source=gepa.record["ledger"])
         gepa_record = gepa.record

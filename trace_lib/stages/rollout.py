@@ -26,7 +26,7 @@ from trace_lib.paths import Paths
 def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True) -> dict[str, Any]:
     """The whole stage: write the tasks, load the policy, roll out, write trajectories and metrics."""
     model_dir = Path(params.model.out_dir)
-    check_model_dir(params, model_dir)  # before any file is written
+    check_model_dir(params.policy, model_dir)  # before any file is written
     paths = Paths(root)
     by_split = {s: make_tasks(params.env, s)
                 for s in sorted({params.rollout.split, task_split(params.env.name, params.evaluate.split)})}
@@ -38,7 +38,7 @@ def run_rollout(params: Params, root: Path = Path("."), *, progress: bool = True
     tasks = by_split[params.rollout.split][: params.rollout.max_tasks]
     if not tasks:
         raise ValueError(f"env {params.env.name!r} has no tasks for split {params.rollout.split!r}")
-    policy = open_policy(params, model_dir)
+    policy = open_policy(params.model, params.policy, model_dir)
     trajectories, timing = collect_rollouts(
         policy, lambda: make_env(params.env), tasks, params.rollout, params.seed, progress=progress
     )

@@ -220,7 +220,7 @@ def _decode_points(params: Params, root: Path, folders: dict[str, Path], todo: l
             decoded.append(p["iteration"])
     # every episode reused: the model is not even loaded
     policy = None if len(decoded) == before else open_policy(
-        params, Path(params.model.out_dir), {n: str(snapshots[n]) for n in sorted(needed)},
+        params.model, params.policy, Path(params.model.out_dir), {n: str(snapshots[n]) for n in sorted(needed)},
         threads=params.rollout.threads)
     if memo is not None and policy is not None and ecfg.decode_together:  # every point's new episodes in one batch
         for env_cfg, tasks in targets:

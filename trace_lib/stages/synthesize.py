@@ -49,8 +49,9 @@ def run_synthesize(params: Params, root: Path = Path(".")) -> dict[str, Any]:
                              tool_format=params.model.tool_format)
         ledger = RolloutLedger(paths.synth_rollouts)
     drawn = {cap.id: kinds_to_train(cap, params, root, evidence) for cap in kept} if backend == "template" else {}
-    manifests = [synthesize_env(cap, backend, params, root, client=client, evidence=evidence, policy=policy,
-                                ledger=ledger, kinds=drawn[cap.id]["drawn"] if drawn.get(cap.id) else None)
+    manifests = [synthesize_env(cap, backend, params.synthesize, params.env, params.rollout.split, root, client=client,
+                                evidence=evidence, policy=policy, ledger=ledger,
+                                kinds=drawn[cap.id]["drawn"] if drawn.get(cap.id) else None)
                  for cap in kept]
     if params.synthesize.calibration.enabled:
         caps = {c.id: c for c in kept}
@@ -111,14 +112,16 @@ def calibrated(manifest: SyntheticEnvManifest, params: Params, root: Path, polic
     `behind` (target tasks the capability's evidence failed) from its start, recorded as `calibration.transfer`.
     `kinds` (`kinds_to_train`) is recorded as `calibration.kinds`. Every episode played goes to `ledger`."""
     cfg = params.synthesize.calibration
-    with SandboxProcess(root / manifest.path, sandbox_limits(params)) as box:
+    with SandboxProcess(root / manifest.path, sandbox_limits(params.synthesize.validation)) as box:
         knob = box.meta["DIFFICULTY"]
-        result = calibrate(policy, lambda d: synthetic_source(box, manifest.capability_id, params, difficulty=d),
+        result = calibrate(policy, lambda d: synthetic_source(box, manifest.capability_id, params.env,
+                                                                 params.train.max_steps_per_episode, d),
                            cfg, params.train, params.synthesize.difficulty, params.seed, (knob["min"], knob["max"]))
     if kinds:
         result["kinds"] = kinds
     if result["ok"] and behind:
-        result["transfer"] = transfer_check(policy, target_source(params, root), behind, result["start_late"] >= 1.0,
+        target = target_source(params.env, params.rollout.split, root)
+        result["transfer"] = transfer_check(policy, target, behind, result["start_late"] >= 1.0,
                                             cfg, params.train, params.seed)
     ledger.add("synthesize", result["rollouts"] + result.get("transfer", {}).get("rollouts", 0),
                key=manifest.capability_id)

@@ -105,15 +105,16 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
     manifests: list[AdapterManifest] = []
     timing: dict[str, Path] = {}
     with ExitStack() as stack:
-        boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, sandbox_limits(params)))
-                 for m in envs}
+        limits = sandbox_limits(params.synthesize.validation)
+        boxes = {m.capability_id: stack.enter_context(SandboxProcess(root / m.path, limits)) for m in envs}
 
         resume: dict[str, int | None] = {}  # in lockstep: the iteration each training resumes from (`resume_points`)
 
         def source(m: Any, weight: float = 1.0) -> Any:
             """A capability's environment at the difficulty it was calibrated to (else `synthesize.difficulty`)."""
-            return synthetic_source(boxes[m.capability_id], m.capability_id, params, weight,
-                                    m.difficulty.get("value") if m.calibration else None)
+            level = m.difficulty.get("value") if m.calibration else params.synthesize.difficulty
+            return synthetic_source(boxes[m.capability_id], m.capability_id, params.env,
+                                    params.train.max_steps_per_episode, level, weight)
 
         def train_capability(m: Any, sampler: Any = None) -> AdapterManifest:
             late = {"start_late": m.calibration["start_late"]} if m.calibration.get("ok") else {}
@@ -129,8 +130,8 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         # environment survived to be trained on
         per_iter = cfg.groups * cfg.group_size
         budget = trace_budget(root, [], params.rollout.split)["total"] + len(envs) * planned_rollouts(cfg)
-        baselines = {"grpo_target": lambda: [target_source(params, root)],
-                     "grpo_target_late": lambda: [target_source(params, root)],
+        baselines = {"grpo_target": lambda: [target_source(params.env, params.rollout.split, root)],
+                     "grpo_target_late": lambda: [target_source(params.env, params.rollout.split, root)],
                      "merged_data": lambda: [source(m, cfg.mixture.get(m.capability_id, 1.0)) for m in envs]}
         skipped: dict[str, str] = {}
         for name in cfg.baselines:

@@ -32,7 +32,7 @@ from typing import Any
 from trace_lib.llm import LLMClient, LLMError, resolve_analyst
 from trace_lib.analyst.prompting import load_prompt
 from trace_lib.analyst.render import render_trajectory, tools_block
-from trace_lib.config import AnalystConfig, EnvConfig, Params, SynthesizeConfig
+from trace_lib.config import AnalystConfig, EnvConfig, SynthesizeConfig
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import synthetic_tasks
 from trace_lib.io import atomic_write_text, read_jsonl, write_json
@@ -91,24 +91,25 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = Path("."), *,
+def synthesize_env(cap: Capability, backend: str, cfg: SynthesizeConfig, env_cfg: EnvConfig, split: str,
+                   root: Path = Path("."), *,
                    client: LLMClient | None = None, evidence: Sequence[Trajectory] = (),
                    policy=None, ledger=None, kinds: dict[str, int] | None = None) -> SyntheticEnvManifest:
-    """Write, validate and (if valid) install one capability's environment under data/envs/<id>/. The template
+    """Write, validate and (if valid) install one capability's environment under data/envs/<id>/, for the target
+    `env_cfg` (its `split` tasks show the LLM synthesizer the system prompt and examples). The template
     synthesizer weights its task kinds by the evidence's failed tasks (`templates.template_kinds`), or by `kinds`
     where given."""
     out_dir = Paths(root).env_dir(cap.id)
-    cfg = params.synthesize
-    target = target_spec(params.env)
+    target = target_spec(env_cfg)
     attempts_dir = out_dir / "attempts"
     messages: list[dict[str, str]] = []
     system = ""
     if backend == "template":
-        if params.env.name not in TEMPLATE_TARGETS:
+        if env_cfg.name not in TEMPLATE_TARGETS:
             return _not_synthesized(cap, backend, target, out_dir,
                                     f"the template synthesizer supports targets {list(TEMPLATE_TARGETS)}, "
-                                    f"not {params.env.name!r}; use an LLM synthesizer (synthesize.backend)")
-        have = template_capabilities(params.env.name)
+                                    f"not {env_cfg.name!r}; use an LLM synthesizer (synthesize.backend)")
+        have = template_capabilities(env_cfg.name)
         if cap.id not in have:
             return _not_synthesized(cap, backend, target, out_dir,
                                     f"no template for {cap.id!r} (templates: {', '.join(have)}); "
@@ -117,13 +118,13 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
         if kinds is None:
             kinds = evidence_template_kinds(cap, target, evidence,
                                             [t.model_dump(mode="json") for t in
-                                             load_tasks(params.env, params.rollout.split, root)])
+                                             load_tasks(env_cfg, split, root)])
     else:
         if client is None:
             raise ValueError(f"synthesize backend {backend!r} needs an LLM client")
-        env = make_env(params.env)
+        env = make_env(env_cfg)
         example_tasks = [t for t in evidence if t.id in set(cap.evidence)][: cfg.example_trajectories]
-        system, first = llm_prompt(cap, target, env.tool_kinds(), env.system_prompt(load_tasks(params.env, params.rollout.split, root)[0]),
+        system, first = llm_prompt(cap, target, env.tool_kinds(), env.system_prompt(load_tasks(env_cfg, split, root)[0]),
                                    example_tasks)
         messages = [{"role": "user", "content": first}]
         max_attempts = cfg.max_attempts
@@ -143,14 +144,14 @@ def synthesize_env(cap: Capability, backend: str, params: Params, root: Path = P
             source = extract_module(reply.text)
             messages = messages + [{"role": "assistant", "content": reply.text}]
         module_path = atomic_write_text(attempts_dir / f"{attempt:02d}.py", source)
-        verdict = validate_env(module_path, params.env, cfg.validation, cfg.difficulty, policy=policy, ledger=ledger)
+        verdict = validate_env(module_path, env_cfg, cfg.validation, cfg.difficulty, policy=policy, ledger=ledger)
         report = verdict.model_dump(mode="json") if hasattr(verdict, "model_dump") else dict(verdict)
         write_json(attempts_dir / f"{attempt:02d}.json", report)
         if report["valid"]:
             env_path = atomic_write_text(out_dir / "env.py", source)
             manifest = SyntheticEnvManifest(
                 capability_id=cap.id, source=backend, path=env_path.relative_to(root).as_posix(),
-                sha256=_sha256(source), target_env=params.env.name, validation=report,
+                sha256=_sha256(source), target_env=env_cfg.name, validation=report,
                 difficulty={"value": cfg.difficulty}, valid=True, attempts=attempt)
             write_json(out_dir / "manifest.json", manifest.model_dump(mode="json"))
             return manifest
@@ -205,8 +206,10 @@ def validation_table(manifests: Sequence[SyntheticEnvManifest]):
     return pd.DataFrame(rows, columns=["capability", "check", "ok", "detail"])
 
 
-def sample_tasks(manifest: SyntheticEnvManifest, params: Params, root: Path = Path("."), n: int = 3):
-    """The first `n` training tasks of an installed environment (generated in the sandbox)."""
-    with SandboxProcess(root / manifest.path, limits_from_config(params.synthesize.validation)) as box:
-        seeds = [params.train.seed_offset + i for i in range(n)]
-        return synthetic_tasks(box, manifest.capability_id, seeds, params.synthesize.difficulty, "train")
+def sample_tasks(manifest: SyntheticEnvManifest, cfg: SynthesizeConfig, seed_offset: int, root: Path = Path("."),
+                 n: int = 3):
+    """The first `n` training tasks of an installed environment at `cfg.difficulty` (generated in the sandbox), from
+    seed `seed_offset` (`train.seed_offset`) on."""
+    with SandboxProcess(root / manifest.path, limits_from_config(cfg.validation)) as box:
+        seeds = [seed_offset + i for i in range(n)]
+        return synthetic_tasks(box, manifest.capability_id, seeds, cfg.difficulty, "train")

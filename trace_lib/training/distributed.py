@@ -67,29 +67,29 @@ def gather(items: list[Any]) -> list[Any]:
     return [x for part in out for x in part]
 
 
-def average_gradients(params: Iterable[Any]) -> int:
-    """Average the gradients of the trainable `params` across processes (one all-reduce of them all,
-    flattened; a parameter without a gradient counts as zeros on that process). Returns how many."""
+def average_gradients(weights: Iterable[Any]) -> int:
+    """Average the gradients of the trainable `weights` (torch parameters) across processes (one all-reduce of
+    them all, flattened; a parameter without a gradient counts as zeros on that process). Returns how many."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 0
-    params = [p for p in params if p.requires_grad]
-    if not params:
+    weights = [p for p in weights if p.requires_grad]
+    if not weights:
         return 0
-    for p in params:
+    for p in weights:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([p.grad.reshape(-1) for p in weights])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat.div_(dist.get_world_size())
     offset = 0
-    for p in params:
+    for p in weights:
         n = p.grad.numel()
         p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
         offset += n
-    return len(params)
+    return len(weights)
 
 
 def private_copy(path: str | Path, rank: int) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trace_lib.config import Params
+from trace_lib.config import EnvConfig, ValidationConfig
 from trace_lib.envs import load_tasks, make_env
 from trace_lib.envs.synthetic import SyntheticEnv, synthetic_tasks, task_payload
 from trace_lib.records import Task
@@ -18,19 +18,18 @@ from trace_lib.training.grpo import TrainSource
 from trace_lib.training.hints import hint_from_steps, reference_steps
 
 
-def sandbox_limits(params: Params) -> SandboxLimits:
+def sandbox_limits(v: ValidationConfig) -> SandboxLimits:
     """Limits of a sandbox serving a whole training run: validation's per-request time and memory, an hour of CPU
     (the validation CPU limit is a lifetime limit for a short check)."""
-    v = params.synthesize.validation
     return SandboxLimits(timeout_s=v.timeout_s, cpu_s=max(v.cpu_s, 3600), memory_mb=v.memory_mb)
 
 
-def target_source(params: Params, root: Path) -> TrainSource:
-    """The target environment's train tasks as a training source (the 'GRPO on target' baseline)."""
-    tasks = load_tasks(params.env, params.rollout.split, root)
+def target_source(env: EnvConfig, split: str, root: Path) -> TrainSource:
+    """The target environment's `split` tasks as a training source (the 'GRPO on target' baseline)."""
+    tasks = load_tasks(env, split, root)
     if not tasks:
-        raise ValueError(f"the target {params.env.name!r} has no {params.rollout.split!r} tasks to train on")
-    return TrainSource("target", lambda: make_env(params.env),
+        raise ValueError(f"the target {env.name!r} has no {split!r} tasks to train on")
+    return TrainSource("target", lambda: make_env(env),
                        lambda seeds: [tasks[s % len(tasks)] for s in seeds],
                        hint=lambda task: hint_from_steps(reference_steps(task)), reference=reference_steps)
 
@@ -45,13 +44,12 @@ def module_solution(box: SandboxProcess, task: Task) -> list:
     return steps if isinstance(steps, list) else []
 
 
-def synthetic_source(box: SandboxProcess, capability: str, params: Params, weight: float = 1.0,
-                     difficulty: int | None = None) -> TrainSource:
-    """A validated synthetic environment (served by the sandbox `box`) as a training source, its tasks generated at
-    `difficulty` (None: `synthesize.difficulty`)."""
-    level = params.synthesize.difficulty if difficulty is None else difficulty
+def synthetic_source(box: SandboxProcess, capability: str, env: EnvConfig, max_steps: int, difficulty: int,
+                     weight: float = 1.0) -> TrainSource:
+    """A validated synthetic environment (served by the sandbox `box`, with the tools of the target `env`) as a
+    training source, its tasks generated at `difficulty`, its episodes at most `max_steps` agent turns."""
     return TrainSource(capability,
-                       lambda: SyntheticEnv(box, params.env, max_steps=params.train.max_steps_per_episode),
-                       lambda seeds: synthetic_tasks(box, capability, seeds, level, "train"),
+                       lambda: SyntheticEnv(box, env, max_steps=max_steps),
+                       lambda seeds: synthetic_tasks(box, capability, seeds, difficulty, "train"),
                        weight, hint=lambda task: hint_from_steps(module_solution(box, task)),
                        reference=lambda task: module_solution(box, task))
