@@ -2,7 +2,7 @@
 
 Every τ² episode builds three τ² environments: one to play in, and the evaluator's two replays (the
 gold actions, the agent's calls), whose database hashes are compared. `fresh_tau2_env` shares the
-domain's database among them until one may write (module docstring of `trace_lib.envs.tau2`); the
+domain's database among them until one may write (module docstring of `trace_lib.envs.tau2.env`); the
 `private` row builds them the way it did before: each unpickles its own copy of the database and the
 evaluator hashes both.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trace_lib.config import EnvConfig  # noqa: E402
 from trace_lib.envs import make_env, make_tasks, tau2  # noqa: E402
-from trace_lib.envs.tau2 import replay_gold  # noqa: E402
+from trace_lib.envs.tau2.env import replay_gold  # noqa: E402
 from trace_lib.records import Message  # noqa: E402
 
 

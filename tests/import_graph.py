@@ -2,7 +2,7 @@
 
 Used by tests/test_layout.py. Every `import` statement counts, at any depth (a function-level import
 is still a dependency and can still close a cycle), and so does a string constant that is exactly a
-trace module's name (`[..., "-m", "trace_lib.synth.worker"]`, `import_module("trace_lib.envs.retail")`);
+trace module's name (`[..., "-m", "trace_lib.synth.worker"]`, `import_module("trace_lib.envs.retail.env")`);
 prose that mentions a module (docstrings, messages) does not.
 Importing `trace_lib.a.b` also runs `trace_lib/__init__.py` and `trace_lib/a/__init__.py`.
 """

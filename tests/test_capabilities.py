@@ -4,7 +4,7 @@ from trace_lib.analyst.detectors import DETECTORS
 from trace_lib.capabilities import BY_ID, CAPABILITIES, CAPABILITY_TAGS, ORACLE_PRIORITY
 from trace_lib.config import EnvConfig
 from trace_lib.envs import make_tasks
-from trace_lib.envs.families import FAMILIES
+from trace_lib.envs.retail.families import FAMILIES
 from trace_lib.synth.templates import template_capabilities
 
 

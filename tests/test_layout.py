@@ -77,7 +77,7 @@ def test_closure_follows_function_level_imports_and_module_strings():
 
 def test_a_missing_dep_is_reported(tmp_path: Path):
     files = stage_files(REPO / notebook("rollout"))
-    prompt = LIB / "envs" / "retail_policy.md"
+    prompt = LIB / "envs" / "retail" / "policy.md"
     assert prompt in files and (LIB / "config.py") in files and (LIB / "engine" / "kvcache.py") in files
     assert not _covered(prompt, ["trace_lib/engine", "trace_lib/config.py"])
 
@@ -120,7 +120,7 @@ is matched by the `trace_lib.synth` prefix)."""
 
 
 def _package_of(module: str) -> str:
-    """`trace_lib.envs.retail` -> `trace_lib.envs`; a top-level module is its own package."""
+    """`trace_lib.envs.retail.env` -> `trace_lib.envs`; a top-level module is its own package."""
     return ".".join(module.split(".")[:2])
 
 
@@ -183,9 +183,9 @@ def test_only_the_stages_take_the_whole_params():
 
 
 def test_no_module_uses_a_private_name_of_another_package():
-    assert private_cross_package_uses("from trace_lib.envs import retail\nretail._Session()\n",
-                                      "trace_lib.synth.world") == ["trace_lib.synth.world: trace_lib.envs.retail._Session"]
-    assert private_cross_package_uses("from trace_lib.envs.retail import _x\n", "trace_lib.envs.tau2") == []
+    assert private_cross_package_uses("from trace_lib.envs.retail import env as retail\nretail._Session()\n",
+                                      "trace_lib.synth.world") == ["trace_lib.synth.world: trace_lib.envs.retail.env._Session"]
+    assert private_cross_package_uses("from trace_lib.envs.retail.env import _x\n", "trace_lib.envs.tau2.env") == []
     found = [f for m in all_modules() for f in private_cross_package_uses(module_file(m).read_text(), m)]
     assert not found, "private names used across packages:\n" + "\n".join(found)
 
@@ -264,3 +264,18 @@ def test_tests_mirror_the_library():
     packages = {p.parent.name for p in (tests.parent / "trace_lib").glob("*/__init__.py")}
     folders = {p.parent.name for p in tests.glob("*/test_*.py")}
     assert folders <= packages | {"e2e"}, folders - packages
+
+
+def test_each_environment_domain_is_one_folder_of_the_same_shape():
+    """A domain is `envs/<name>/`: an `__init__.py` with the registry's entry points, `env.py`, a README; the
+    registry names domain folders only."""
+    from trace_lib.envs import _MODULES
+
+    domains = sorted({m for m in _MODULES.values()})
+    assert domains == ["trace_lib.envs.phone", "trace_lib.envs.retail", "trace_lib.envs.tau2"]
+    for name in domains:
+        folder = LIB / "envs" / name.rsplit(".", 1)[1]
+        assert {"__init__.py", "env.py", "README.md"} <= {p.name for p in folder.iterdir()}, folder
+        entry = {n.name for n in ast.walk(ast.parse((folder / "__init__.py").read_text()))
+                 if isinstance(n, (ast.FunctionDef, ast.alias))}
+        assert {"build_env", "build_tasks"} <= entry, folder

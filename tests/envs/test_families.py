@@ -6,7 +6,7 @@ import pytest
 
 from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.config import EnvConfig
-from trace_lib.envs.families import (
+from trace_lib.envs.retail.families import (
     FAMILIES,
     FULL_SET,
     core_tool_names,
@@ -14,7 +14,7 @@ from trace_lib.envs.families import (
     make_family_tasks,
     user_split,
 )
-from trace_lib.envs.retail import RetailEnv, build_tasks, load_base_db
+from trace_lib.envs.retail.env import RetailEnv, build_tasks, load_base_db
 from trace_lib.io import dumps_json
 from trace_lib.records import Message
 

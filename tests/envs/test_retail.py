@@ -6,8 +6,8 @@ import pytest
 
 from trace_lib.config import EnvConfig
 from trace_lib.envs import make_env, make_tasks
-from trace_lib.envs.families import FAMILIES, FULL_SET, make_family_tasks
-from trace_lib.envs.retail import (
+from trace_lib.envs.retail.families import FAMILIES, FULL_SET, make_family_tasks
+from trace_lib.envs.retail.env import (
     RetailEnv,
     build_env,
     load_base_db,

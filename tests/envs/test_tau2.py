@@ -13,7 +13,7 @@ from tau2.data_model import message as t2m
 from trace_lib.config import EnvConfig
 from trace_lib.envs import make_env, make_tasks
 from trace_lib.envs.base import UserTurn
-from trace_lib.envs.tau2 import (
+from trace_lib.envs.tau2.env import (
     Tau2Env, agent_system_prompt, build_env, fresh_tau2_env, gc_paused, pristine_db, pristine_db_intact,
     replay_gold, score_messages, tau2_messages, tau2_task_of, tool_specs,
 )

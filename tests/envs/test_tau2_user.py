@@ -11,7 +11,7 @@ import pytest
 from local_http import JSONReplies
 
 from trace_lib.config import EnvConfig
-from trace_lib.envs.tau2 import build_env, tau2_tasks, to_task
+from trace_lib.envs.tau2.env import build_env, tau2_tasks, to_task
 from trace_lib.envs.tau2_user import (
     LLMUser, agent_greeting, confirmation_answer, parse_known_info, scenario_from_tau2, stop_token, tau2_constant,
     user_guidelines,

@@ -18,7 +18,7 @@ from trace_lib.capabilities import CAPABILITY_TAGS
 from trace_lib.config import EnvConfig
 from trace_lib.envs import make_env
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
-from trace_lib.envs.families import user_split
+from trace_lib.envs.retail.families import user_split
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
 from trace_lib.synth.rubric import verdict
@@ -302,8 +302,8 @@ def test_communicate_result_asks_for_totals_and_refuses_cancellations(bound):
 
 
 def _family_tasks(*families: str, n: int = 3) -> list[dict]:
-    from trace_lib.envs.families import make_family_tasks
-    from trace_lib.envs.retail import load_base_db
+    from trace_lib.envs.retail.families import make_family_tasks
+    from trace_lib.envs.retail.env import load_base_db
 
     return [t.model_dump(mode="json") for f in families for t in make_family_tasks(load_base_db(), f, "train", n)]
 

