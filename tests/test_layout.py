@@ -133,7 +133,8 @@ def private_cross_package_uses(source: str, module: str) -> list[str]:
     own = _package_of(module)
     bound: dict[str, str] = {}  # local name -> the trace_lib module it is bound to
     found = []
-    for node in ast.walk(ast.parse(source)):
+    nodes = list(ast.walk(ast.parse(source)))
+    for node in nodes:
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("trace_lib.") and a.asname:
@@ -145,7 +146,7 @@ def private_cross_package_uses(source: str, module: str) -> list[str]:
                     found.append(f"{module}: from {node.module} import {a.name}")
                 elif module_file(target):
                     bound[a.asname or a.name] = target
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes:
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
                 and _private(node.attr) and _package_of(bound[node.value.id]) != own):
             found.append(f"{module}: {bound[node.value.id]}.{node.attr}")
@@ -271,7 +272,7 @@ def test_each_environment_domain_is_one_folder_of_the_same_shape():
     registry names domain folders only."""
     from trace_lib.envs import _MODULES
 
-    domains = sorted({m for m in _MODULES.values()})
+    domains = sorted(set(_MODULES.values()))
     assert domains == ["trace_lib.envs.phone", "trace_lib.envs.retail", "trace_lib.envs.tau2"]
     for name in domains:
         folder = LIB / "envs" / name.rsplit(".", 1)[1]
