@@ -210,6 +210,17 @@ def test_lower_floors_import_nothing_above_them():
     assert not found, "imports across the floor order:\n" + "\n".join(found)
 
 
+def test_the_sandbox_names_no_environment_even_as_a_string():
+    """The sandbox runs what it is given: besides the SDK on its import allowlist and its default worker's
+    module path, it names no module of the method, not even in a string a probe would import."""
+    named = {m for name in all_modules() if _inside(name, "trace_lib.sandbox")
+             for m in direct_imports(name, strings=True)}
+    above = {m for m in named if any(m.startswith(b) for b in FORBIDDEN_BELOW["trace_lib.sandbox"])}
+    assert above == {"trace_lib.synth", "trace_lib.synth.worker", "trace_lib.synth_sdk"}  # a module's parents count
+    for path in sorted((LIB / "sandbox").rglob("*.py")):
+        assert "trace_lib.envs" not in path.read_text(encoding="utf-8"), path
+
+
 def test_one_run_function_per_stage_with_the_same_signature():
     for stage in STAGES:
         path = module_file(f"trace_lib.stages.{stage}")

@@ -302,7 +302,7 @@ class _ScriptedClient:
 
 def test_an_llm_user_plays_the_scenario_and_ends_with_the_stop_token(tasks):
     from trace_lib.envs.phone.env import user_instructions
-    from trace_lib.envs.tau2_user import STOP, LLMUser
+    from trace_lib.envs.llm_user import STOP, LLMUser
 
     task = _only(tasks, "send_message_multiturn")[0]
     client = _ScriptedClient(["I want to send a text.", f"It's for {task.user.known_info['recipient']}.", STOP])

@@ -17,7 +17,7 @@ from trace_lib.envs.tau2.env import (
     Tau2Env, agent_system_prompt, build_env, fresh_tau2_env, gc_paused, pristine_db, pristine_db_intact,
     replay_gold, score_messages, tau2_messages, tau2_task_of, tool_specs,
 )
-from trace_lib.envs.tau2_user import LLMUser, tau2_constant
+from trace_lib.envs.llm_user import LLMUser, tau2_constant
 from trace_lib.records import Message, Task, ToolCall
 
 # Tasks whose own gold actions raise inside τ² (wrong ids, lookups meant to fail, policy refusals).

@@ -270,15 +270,16 @@ def network_isolation() -> tuple[str, ...]:
     return ()
 
 
-@lru_cache(maxsize=1)
-def nproc_limit_works() -> bool:
-    """Whether RLIMIT_NPROC=0 forbids forking without breaking the worker's imports.
+@lru_cache(maxsize=None)
+def nproc_limit_works(worker: str = WORKER) -> bool:
+    """Whether RLIMIT_NPROC=0 forbids forking without breaking the imports of `worker` (a module path).
 
     Root is exempt from RLIMIT_NPROC (the kernel ignores it), so it is not set there; elsewhere a
-    probe imports what the worker imports under the limit and must then fail to fork."""
+    probe imports `worker`, runs its `preload()` if it has one, under the limit, and must then fail to fork."""
     if os.geteuid() == 0:
         return False
-    code = ("import os, trace_lib.synth_sdk, trace_lib.envs.retail.env\n"
+    code = (f"import importlib, os\nm = importlib.import_module({worker!r})\n"
+            "getattr(m, 'preload', lambda: None)()\n"
             "try:\n    os.fork()\nexcept OSError:\n    raise SystemExit(0)\nos._exit(3)\n")
     try:
         probe = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, timeout=120,
@@ -326,7 +327,7 @@ class SandboxProcess:
         self.scratch = tempfile.mkdtemp(prefix="trace-sandbox-")
         self._stderr = tempfile.TemporaryFile()
         prefix = network_isolation()
-        nproc = nproc_limit_works()
+        nproc = nproc_limit_works(worker)
         self.isolation = "unshare" if prefix else "socket-patch"
         """'unshare' (own empty network namespace) or 'socket-patch' (the worker's socket functions
         raise); the worker patches sockets in both cases."""

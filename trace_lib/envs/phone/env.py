@@ -130,8 +130,8 @@ def user_instructions(task: Task) -> str:
 
 
 def llm_user_factory(cfg: Any) -> Callable[[Task], Any]:
-    """An LLM user per task through the cached LLM call (`tau2_user.user_client`: `env.user_backend`, `user_model`)."""
-    from trace_lib.envs.tau2_user import LLMUser, user_client
+    """An LLM user per task through the cached LLM call (`llm_user.user_client`: `env.user_backend`, `user_model`)."""
+    from trace_lib.envs.llm_user import LLMUser, user_client
 
     client = user_client(cfg)
     return lambda task: LLMUser(client, user_instructions(task), stage="phone_user")

@@ -58,7 +58,8 @@ from tau2.user.base import STOP
 from trace_lib.config import EnvConfig
 from trace_lib.envs.base import Environment, EpisodeState, StepResult, ToolSpec, UserTurn
 from trace_lib.envs.limits import ToolLimits, in_forked_copy
-from trace_lib.envs.tau2_user import agent_greeting, llm_user_factory, scenario_from_tau2, stop_token, tau2_constant
+from trace_lib.envs.llm_user import agent_greeting, llm_user_factory, stop_token, tau2_constant
+from trace_lib.envs.tau2.scenario import scenario_from_tau2
 from trace_lib.envs.user import ScriptedUser
 from trace_lib.records import Message, Task, ToolCall
 
