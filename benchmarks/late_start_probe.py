@@ -22,7 +22,7 @@ from trace_lib.engine.policy import load_policy
 from trace_lib.envs.said import is_said_to_user
 from trace_lib.training.sources import sandbox_limits, synthetic_source
 from trace_lib.sandbox import SandboxProcess
-from trace_lib.training.grpo import leading_steps, play, start_episode
+from trace_lib.agent.episode import leading_steps, play, start_episode
 
 from hint_swap import run_env  # this folder: the script's own path entry
 

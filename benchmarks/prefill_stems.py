@@ -7,7 +7,7 @@ neither. Both variants see the same prompts, so only the prefill work differs; d
 with and without stems and is left out.
 
     rollout  the rollout stage's episodes (`--tasks` tasks x `rollout.samples_per_task`, the base model)
-    grpo     one GRPO iteration's sampling (`grpo.play`: `train.groups` x `train.group_size` episodes of
+    grpo     one GRPO iteration's sampling (`agent.episode.play`: `train.groups` x `train.group_size` episodes of
              the `--capability` template environment, the LoRA-wrapped policy)
 
 Reports per workload and row: prefill seconds (each round), prompt tokens computed.
@@ -82,7 +82,7 @@ def grpo_calls(params, policy: Policy, capability: str):
     from trace_lib.sandbox import SandboxLimits, SandboxProcess
     from trace_lib.synth.synthesize import target_spec
     from trace_lib.synth.templates import render_template_module
-    from trace_lib.training.grpo import play, start_episode
+    from trace_lib.agent.episode import play, start_episode
     from trace_lib.training.trainer import lora_config
 
     cfg = params.train

@@ -221,6 +221,36 @@ def test_the_sandbox_names_no_environment_even_as_a_string():
         assert "trace_lib.envs" not in path.read_text(encoding="utf-8"), path
 
 
+DECODING = ("generate", "generate_ids", "play_turns", "turn", "tool_processor")
+"""`Policy` methods that decode a turn; the episode loop in `agent/` is the one place that calls them."""
+
+
+def decoding_calls(source: str, module: str) -> list[str]:
+    """Where `source` decodes: a call of a `DECODING` method, or an import of the assistant-turn parser (turning
+    decoded text into an action is the episode loop's job too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DECODING:
+            found.append(f"{module}:{node.lineno}: .{node.func.attr}(...)")
+        elif isinstance(node, ast.ImportFrom) and node.module == "trace_lib.engine.chat":
+            found += [f"{module}:{node.lineno}: imports {a.name}" for a in node.names if a.name == "parse_assistant"]
+    return found
+
+
+def test_decoding_calls_are_found():
+    assert decoding_calls("x = policy.generate_ids([p], temperature=0)\n", "m") == ["m:1: .generate_ids(...)"]
+    assert decoding_calls("from trace_lib.engine.chat import parse_assistant\n", "m") == ["m:1: imports parse_assistant"]
+    assert decoding_calls("play(policy, episodes, cfg, seed=0)\nself.sampler.play(name)\n", "m") == []
+
+
+def test_training_never_decodes():
+    """`training/` turns recorded episodes into GRPO batches; every episode, sampled or scripted, is played by
+    `agent/` (`agent/episode.py`), so a fix to the loop reaches training, evaluation and calibration alike."""
+    found = [hit for name in sorted(all_modules()) if _inside(name, "trace_lib.training")
+             for hit in decoding_calls(module_file(name).read_text(encoding="utf-8"), name)]
+    assert not found, "decoding under training/:\n" + "\n".join(found)
+
+
 def test_one_run_function_per_stage_with_the_same_signature():
     for stage in STAGES:
         path = module_file(f"trace_lib.stages.{stage}")

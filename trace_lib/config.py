@@ -435,7 +435,7 @@ class TrainConfig(Section):
     """A tool result before a turn the loss skips (a lookup-only turn, `filter_lookup_only`) is cut to this many
     tokens in the training sequence, and so in what every later turn is sampled from (the paper's truncation of
     earlier tool results); a result before a trained turn stays whole, as that turn read it
-    (`training/grpo.py`: `cut_before_skipped_turn`)."""
+    (`agent/episode.py`: `cut_before_skipped_turn`)."""
     filter_lookup_only: bool = True
     """Drop samples whose only action is a read-only lookup (keeping one sample per episode)."""
     rollout_budget: int | None = Field(None, ge=1)
@@ -457,12 +457,12 @@ class TrainConfig(Section):
     leading steps of the task's reference solution, which the environment plays: its read-tool calls and what
     it says to the user (who replies), up to its first write, never the answer it ends with. They are part of
     the prompt, not trained: all of them at the first iteration, fewer as training goes on, then none
-    (training/grpo.py: `leading_steps`, `preplay_count`). A start near the goal gives a weak policy rewards
-    to learn from, and each such rollout is a short one. 0: off."""
+    (agent/episode.py: `leading_steps`; training/grpo.py: `preplay_count`). A start near the goal gives a weak
+    policy rewards to learn from, and each such rollout is a short one. 0: off."""
     reference_samples: int = Field(0, ge=0)
     """Off-policy guidance: this many samples of each GRPO group are the task's reference episode (the
     environment's reference solution played through it, with its scripted user) instead of a sampled one, trained
-    with the group's advantage at importance ratio 1 (training/grpo.py: `play_reference`). A reference that does
+    with the group's advantage at importance ratio 1 (agent/episode.py: `play_reference`). A reference that does
     not earn full reward is skipped, counted, and its slot sampled. LUFFY (arXiv 2504.14945) and ToolExpander
     (arXiv 2510.07737) mix expert traces into groups where on-policy reward stays at zero. 0: off."""
     reference_when: Literal["always", "all_failed"] = "always"

@@ -13,7 +13,8 @@ from toy import KVEnv, kv_task
 from trace_lib.engine.policy import load_policy
 from trace_lib.config import TrainConfig
 from trace_lib.budget import RolloutLedger
-from trace_lib.training.grpo import TrainSource, play, start_episode
+from trace_lib.agent.episode import play, start_episode
+from trace_lib.training.grpo import TrainSource
 import trace_lib.training.lockstep as lockstep
 from trace_lib.training.lockstep import LockstepAborted, LockstepJob, LockstepSampler, resume_points, run_lockstep
 from trace_lib.training.trainer import (

@@ -29,7 +29,8 @@ from typing import Any
 
 from trace_lib.config import CalibrationConfig, TrainConfig
 from trace_lib.records import Task, Trajectory
-from trace_lib.training.grpo import Episode, TrainSource, leading_steps, play, play_reference, start_episode
+from trace_lib.agent.episode import Episode, leading_steps, play, play_reference, start_episode
+from trace_lib.training.grpo import TrainSource
 
 CALIBRATION_SEED0 = 900_000
 """First environment seed calibration plays: apart from validation (0..), training (`train.seed_offset` + group)
@@ -92,7 +93,7 @@ def _start(policy: Any, source: TrainSource, env_seed: int, task: Task, sample: 
 def reference_rewards(policy: Any, source: TrainSource, tasks: list[tuple[int, Task]], late: bool,
                       train: TrainConfig) -> list[bool]:
     """Whether each task's reference solution, played through the environment as a reference sample is
-    (`grpo.play_reference`, after the reads a late start plays), earns full reward; False where it has none."""
+    (`agent.episode.play_reference`, after the reads a late start plays), earns full reward; False where it has none."""
     out = []
     for env_seed, task in tasks:
         ep = _start(policy, source, env_seed, task, 0, late, train)

@@ -10,7 +10,7 @@ training (benchmarks/README.md: train_lockstep.py).
 How: each training runs TRL's loop unchanged in a thread of its own (`run_lockstep`), but only one thread
 runs at a time: it holds the sampler's lock, and lets go of it only while it waits for a round. A
 training's rollout function hands its iteration's episodes to `LockstepSampler.play`. Once every expected
-training has handed its in, one thread plays them all (`grpo.play`) on the sampler's policy: one more copy
+training has handed its in, one thread plays them all (`agent.episode.play`) on the sampler's policy: one more copy
 of the base model, which holds every training's LoRA weights (the same tensors, attached under the
 training's name), each episode decoded under its own training's adapter (per-row routes,
 `engine/row_lora.py`). Then the trainings take their updates one after another. A training is expected from
@@ -36,7 +36,7 @@ import torch
 
 from trace_lib.config import TrainConfig
 from trace_lib.io import dumps_json
-from trace_lib.training.grpo import Episode, play
+from trace_lib.agent.episode import Episode, play
 
 T = TypeVar("T")
 
