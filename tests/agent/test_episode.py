@@ -7,7 +7,7 @@ import pytest
 from scripted_tokens import ScriptedPolicy
 from toy import KVEnv, kv_task
 
-from trace_lib.agent.episode import play, reference_turn_ids, start_episode
+from trace_lib.agent.episode import play, play_reference, reference_turn_ids, start_episode
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import RolloutConfig, TrainConfig
 
@@ -36,6 +36,8 @@ def test_evaluation_and_training_play_a_task_to_the_same_messages_and_tokens(scr
         assert (traj.tool_calls, traj.turns) == (ep.tool_calls, len(ep.turns))
         evaluated = scripted.encode(scripted.render(traj.messages, tools))
         assert evaluated[:len(ep.prompt_ids) + len(ep.completion_ids)] == ep.prompt_ids + ep.completion_ids
+        assert [(r.finish, r.scripted) for r in ep.turn_records] == [("stop", False)] * len(ep.turns)
+        assert all(r.seconds >= 0.0 for r in ep.turn_records)
 
 
 def test_a_turn_sampled_off_the_templates_rendering_is_where_the_two_paths_part(tiny_model_dir):
@@ -63,3 +65,19 @@ def test_a_turn_sampled_off_the_templates_rendering_is_where_the_two_paths_part(
         assert (evaluated[:through_first] == (ep.prompt_ids + ep.completion_ids)[:through_first]) == canonical
         parted.append(not canonical)
     assert any(parted)
+
+
+def test_each_turn_records_its_finish_and_whether_it_was_scripted(scripted, tiny_model_dir):
+    cfg = TrainConfig(filter_lookup_only=False)
+    reference = start_episode(scripted, "kv", 1, kv_task(1), 0, KVEnv(max_steps=3))
+    steps = [{"tool": "get_value", "arguments": {"key": "k1"}}, {"say": "The value is 10."}]
+    assert play_reference(scripted, reference, steps, cfg)
+    assert [(r.finish, r.scripted, r.seconds) for r in reference.turn_records] == [("stop", True, 0.0)] * 2
+
+    from trace_lib.engine.policy import load_policy
+
+    policy = load_policy(tiny_model_dir)  # a random model: its turns run to the token limit
+    cut = start_episode(policy, "kv", 1, kv_task(1), 0, KVEnv(max_steps=2))
+    play(policy, [cut], TrainConfig(max_new_tokens=8, filter_lookup_only=False), seed=0)
+    assert cut.turn_records and all(r.finish == "length" and not r.scripted for r in cut.turn_records)
+    assert len(cut.turn_records) == len(cut.turns)

@@ -4,7 +4,8 @@ Reads nothing on disk and writes nothing. An `Episode` is one rollout recorded a
 `prompt_ids` (the opening, system + first user turn, rendered with the tool chat template), then
 `completion_ids` (the agent's turns and, between them, the environment's replies with the next generation
 prompt), `agent_mask` (1 on the agent's tokens, 0 on the environment's), each agent turn's span and whether it
-was only reads, and whether its turns were sampled or scripted (`reference`, `preplayed`). `training/grpo.py`
+was only reads, how each turn came about (`turn_records`: finish reason, sampled or scripted, seconds), and the
+reference steps played for the agent before its first turn (`preplayed`). `training/grpo.py`
 turns recorded episodes into GRPO batches; it never decodes.
 
 * `start_episode` opens one: from the task's opening, after reference steps the environment plays for the agent
@@ -49,6 +50,18 @@ TURN_END = "<|im_end|>"
 
 
 @dataclass(frozen=True)
+class TurnRecord:
+    """How one agent turn came about (`Episode.turn_records`, one per entry of `Episode.turns`)."""
+
+    finish: str
+    """'stop' (the turn ended itself) or 'length' (cut at `max_new_tokens`); a scripted turn is 'stop'."""
+    scripted: bool
+    """Whether the turn was played from a script (a reference solution's step), not sampled."""
+    seconds: float
+    """Wall time from the turn being asked for to its tokens arriving (0 for a scripted turn)."""
+
+
+@dataclass(frozen=True)
 class PendingReply:
     """An environment reply at the end of an episode's sequence, in full, and the messages that replace it when it
     is cut (rendered only then: most replies stay whole)."""
@@ -76,6 +89,8 @@ class Episode:
     """1 on tokens the policy generated, 0 on the environment's text."""
     turns: list[tuple[int, int, bool]] = field(default_factory=list)
     """Agent turns as (start, end, lookup_only) spans of completion_ids."""
+    turn_records: list[TurnRecord] = field(default_factory=list)
+    """How each of `turns` came about: its finish reason, sampled or scripted, its seconds."""
     pending: PendingReply | None = None
     """The last environment reply, whole at the end of completion_ids until the next turn says whether it
     stays so (`cut_before_skipped_turn`)."""
@@ -259,7 +274,7 @@ def play_reference(policy: Policy, ep: Episode, steps: Sequence[Any], cfg: Train
             return False
         errors = ep.env.state.tool_errors if ep.env.state is not None else 0
         apply_turn(policy, ep, reference_turn_ids(policy, ep.context, msg, tools), "stop", cfg.tool_result_tokens,
-                    cfg.filter_lookup_only)
+                    cfg.filter_lookup_only, scripted=True)
         assert ep.env.state is not None
         if ep.env.state.tool_errors > errors or ep.env.state.invalid_actions:  # the environment refused the step
             return False
@@ -302,9 +317,14 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
                          "(train.continuous_batching and a model Policy.play_turns takes)")
     if cfg.continuous_batching and policy.plays_turns:
         for batch in _by_source(live) if adapters is None else _by_tools(live):
-            def next_turn(i: int, toks: list[int], why: str, batch: list[Episode] = batch) -> tuple[list[int], bool] | None:
+            asked: dict[int, float] = {}  # row -> when its current turn was asked for
+
+            def next_turn(i: int, toks: list[int], why: str, batch: list[Episode] = batch,
+                          asked: dict[int, float] = asked) -> tuple[list[int], bool] | None:
                 ep = batch[i]
-                apply_turn(policy, ep, toks, why, cfg.tool_result_tokens, cfg.filter_lookup_only)
+                apply_turn(policy, ep, toks, why, cfg.tool_result_tokens, cfg.filter_lookup_only,
+                           seconds=time.perf_counter() - asked[i])
+                asked[i] = time.perf_counter()
                 return None if ep.env.done else (ep.sampling_ids(), must_call(cfg.tool_choice, ep.env))
 
             keys = [ep.key if adapters is None else (adapter_of[id(ep)], *ep.key) for ep in batch]
@@ -312,6 +332,7 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
                 "routes": [{n: 1.0} for n in names], "row_routes": [names.index(adapter_of[id(ep)]) for ep in batch]}
             temperature = cfg.temperature if not temperatures else [temperatures.get(n, cfg.temperature) for n in names]
             t0 = time.perf_counter()
+            asked.update(dict.fromkeys(range(len(batch)), t0))
             stepping = policy.play_turns(
                 [ep.sampling_ids() for ep in batch], next_turn, temperature=temperature, top_p=1.0,
                 max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62,
@@ -327,10 +348,11 @@ def play(policy: Policy, episodes: Sequence[Episode], cfg: TrainConfig, seed: in
                 [ep.sampling_ids() for ep in batch], temperature=cfg.temperature, top_p=1.0,
                 max_new_tokens=cfg.max_new_tokens, seed=(seed * 1_000_003 + call) % 2**62,
                 processor=_turn_processor(policy, cfg, batch), sessions=[ep.key for ep in batch])
-            gen_s += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            gen_s += seconds
             call += 1
             for ep, toks, why in zip(batch, tokens, finish, strict=True):
-                apply_turn(policy, ep, toks, why, cfg.tool_result_tokens, cfg.filter_lookup_only)
+                apply_turn(policy, ep, toks, why, cfg.tool_result_tokens, cfg.filter_lookup_only, seconds=seconds)
         policy.end_sessions([ep.key for ep in live if ep.env.done])
         live = [ep for ep in live if not ep.env.done]
     after = vars(policy.stats)
@@ -351,7 +373,7 @@ def _by_tools(episodes: Sequence[Episode]) -> list[list[Episode]]:
 
 
 def apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_result_tokens: int,
-                filter_lookup_only: bool = True) -> None:
+                filter_lookup_only: bool = True, scripted: bool = False, seconds: float = 0.0) -> None:
     """Step the env with one generated turn and append its tokens and the environment's reply (whole: the next
     turn reads it so), cutting the reply before this turn when the loss will skip this turn
     (`cut_before_skipped_turn`)."""
@@ -368,6 +390,7 @@ def apply_turn(policy: Policy, ep: Episode, toks: list[int], finish: str, tool_r
     ep.completion_ids += toks
     ep.agent_mask += [1] * len(toks)
     ep.turns.append((start, len(ep.completion_ids), lookup))
+    ep.turn_records.append(TurnRecord(finish, scripted, seconds))
     if finish != "stop" or toks[-1] != tok.convert_tokens_to_ids(TURN_END):
         close = policy.encode(TURN_END)  # the turn must end like a rendered one; not the agent's token
         ep.completion_ids += close
