@@ -189,7 +189,7 @@ def test_discover_score_synthesize_and_gepa_on_an_openai_compatible_server(tmp_p
     from trace_lib.paths import Paths
     from trace_lib.stages.discover import run_discover
     from trace_lib.stages.evaluate import run_evaluate
-    from trace_lib.stages.report import llm_costs_markdown
+    from trace_lib.evaluation.site import llm_costs_markdown
     from trace_lib.stages.score import run_score
     from trace_lib.stages.synthesize import run_synthesize
 
@@ -221,7 +221,7 @@ def test_discover_score_synthesize_and_gepa_on_an_openai_compatible_server(tmp_p
         sent = len(server.requests)
         assert run_discover(params, tmp_path)["analyst"] == f"openai:{MODEL}" and len(server.requests) == sent
     assert all(r["model"] == MODEL and r["messages"][0]["role"] == "system" for r in server.requests)
-    table = llm_costs_markdown(params, tmp_path)
+    table = llm_costs_markdown(params.env.user_cache_dir, tmp_path)
     for stage in ("discover", "score", "synthesize", "gepa"):
         assert f"| {stage} | openai | {MODEL} |" in table, table
     assert "| total |" in table and "| no price |" not in table

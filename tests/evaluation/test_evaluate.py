@@ -392,7 +392,7 @@ def test_every_table_and_figure_shows_a_success_rate_with_its_wilson_interval(tm
     import pandas as pd
 
     from trace_lib.evaluation.scaling import pct
-    from trace_lib.evaluation.tables import EnvBlock, env_block_cells
+    from trace_lib.evaluation.environments import EnvBlock, env_block_cells
     from trace_lib.plots.evaluate import scaling_curve, success_by_method
 
     runs = _runs()

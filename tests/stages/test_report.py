@@ -18,22 +18,19 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 
 from browser import browser_check, chromium
 from trace_lib.config import Params, load_params
-from trace_lib.evaluation.tables import EnvBlock, environments_table
-from trace_lib.stages.report import (
-    environment_blocks,
-    environments_markdown,
-    export_notebooks,
-    git_commit,
-    lock_digest,
-    markdown_html,
-    run_report,
-    table_order,
-)
+from trace_lib.evaluation.environments import EnvBlock, environment_blocks, environments_markdown, environments_table
+from trace_lib.evaluation.site import export_notebooks, git_commit, lock_digest, markdown_html, table_order
+from trace_lib.stages.report import run_report
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE1 = "# Table 1\n\nSuccess rate (%).\n\n| method | retail |\n| --- | --- |\n| base | 24.0 |\n| TRACE | 44.0 |\n"
 ROUTING = "# Routing vs merging\n\n| mode | success |\n| --- | --- |\n| argmax | 0.5 |\n"
 EXTRA = "# Extra\n\n| a \\| b | c |\n| --- | --- |\n| 1 | — |\n"
+
+
+def blocks_of(params: Params, root: Path) -> list[EnvBlock]:
+    """The report stage's environment blocks for `params` (this run's `env.name`, `report.environments`)."""
+    return environment_blocks(params.env.name, params.report.environments, root)
 
 
 def png_bytes(color: str) -> bytes:
@@ -207,7 +204,7 @@ def test_environments_table_puts_each_environment_beside_the_others(tmp_path: Pa
 def test_a_method_labelled_per_run_names_each_environments_choice(tmp_path: Path):
     import pandas as pd
 
-    from trace_lib.evaluation.tables import method_label_across
+    from trace_lib.evaluation.environments import method_label_across
 
     best = "single_best"
     write_run(tmp_path / "r", "retail", [*RETAIL_ROWS, ("single-capability (best: a)", best, "run", 14, 2, 1 / 7, 16)],
@@ -230,7 +227,7 @@ def test_report_reads_the_other_runs_named_in_params(tmp_path: Path):
     params = Params.model_validate({"report": {"environments": {
         "phone": "sweeps/phone", "tau2-retail": "missing", "tau2-airline": str(tmp_path / "elsewhere"),
         "retail": "ignored: this run is the retail block"}}})
-    blocks = environment_blocks(params, tmp_path)
+    blocks = blocks_of(params, tmp_path)
     assert [(b.env, b.source, b.rows is not None, b.graded) for b in blocks] == [
         ("retail", "this run", True, False), ("phone", "sweeps/phone", True, True),
         ("tau2-retail", "missing", False, False), ("tau2-airline", str(tmp_path / "elsewhere"), False, False)]
@@ -259,7 +256,7 @@ def test_an_unreadable_other_run_is_a_reason_not_a_crash(tmp_path: Path, table, 
     if table is not None:
         (other / "reports" / "tables" / "table1.csv").write_text(table)
     (other / "reports" / "metrics" / "evaluate.json").write_text(metrics)
-    (block,) = environment_blocks(Params.model_validate({"report": {"environments": {"phone": str(other)}}}),
+    (block,) = blocks_of(Params.model_validate({"report": {"environments": {"phone": str(other)}}}),
                                   tmp_path)[1:]
     assert block.rows is None and block.reason.startswith(f"{other}: {reason}"), block.reason
     assert f"(not shown: {block.reason})" in environments_markdown([block])
@@ -275,7 +272,7 @@ def test_older_and_odd_tables_still_give_cells(tmp_path: Path):
     old.loc[(old["key"] == "trace_argmax") & (old["column"] == "overall"), "successes"] = None
     old.to_csv(path, index=False)
     (tmp_path / "reports" / "metrics" / "evaluate.json").write_text(json.dumps({"envs": ["retail"]}))
-    (block,) = environment_blocks(Params(), tmp_path)
+    (block,) = blocks_of(Params(), tmp_path)
     rows = {r["method"]: r for r in environments_table([block]).to_dict("records")}
     assert rows["base"]["retail: success % [95% CI] (k/n)"] == "14.3 [4.3, 24.3] (2/14)"
     assert rows["TRACE (argmax)"]["retail: success % [95% CI] (k/n)"] == "unreadable"
@@ -286,7 +283,7 @@ def test_this_runs_block_is_what_it_evaluated_and_the_own_folder_is_not_read_twi
     (tmp_path / "reports" / "metrics" / "evaluate.json").write_text(
         json.dumps({"envs": ["tau2-retail", "tau2-airline"], "graded_envs": [], "split": "test", "tasks": 164}))
     params = Params.model_validate({"env": {"name": "tau2-retail"}, "report": {"environments": {"phone": "."}}})
-    own, other = environment_blocks(params, tmp_path)
+    own, other = blocks_of(params, tmp_path)
     assert own.env == "tau2-retail, tau2-airline" and own.rows is not None and own.detail == "test split, 164 tasks"
     assert other.rows is None and other.reason == ".: that is this run's own folder"
 
@@ -299,8 +296,6 @@ def test_no_environments_table_without_any_evaluation(tmp_path: Path):
 
 
 def test_a_run_not_made_yet_is_named_in_the_note_not_given_a_column():
-    from trace_lib.evaluation.tables import EnvBlock
-    from trace_lib.stages.report import environments_markdown
 
     rows = pd.DataFrame([{"method": "base", "key": "base", "column": "overall", "status": "run", "n": 2,
                           "successes": 1, "success_rate": 0.5, "ci_low": 0.0, "ci_high": 1.0, "rollouts": 0}])
@@ -368,7 +363,7 @@ def test_the_page_opens_with_the_findings_of_the_evaluation(tree: Path):
 def test_the_page_says_when_each_stage_ran_and_for_how_long(tree: Path):
     """The executed notebooks' papermill metadata gives the run's date and each stage's wall time; a notebook
     run by hand (no such metadata) is left out, and so is the report's own."""
-    from trace_lib.stages.report import duration_text, stage_times
+    from trace_lib.evaluation.site import duration_text, stage_times
 
     for name, start, seconds in (("00_alpha", "2026-12-03T21:40:01.5+00:00", 12.4),
                                  ("01_beta", "2026-12-03T21:41:00+00:00", 185.0),
@@ -418,7 +413,7 @@ def test_the_llm_cost_table_lists_every_call_of_the_run(tmp_path: Path):
 
 
 def test_traces_budget_reads_as_its_ledger():
-    from trace_lib.stages.report import budget_text
+    from trace_lib.evaluation.site import budget_text
 
     assert budget_text({"by_adapter": {"a": 96, "b": 32}, "discovery": 48, "synthesize": 144, "total": 320}) == (
         "320 rollouts (48 discovery, 144 calibration and transfer checks, 128 training: a 96, b 32)")

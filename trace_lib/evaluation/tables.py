@@ -11,7 +11,6 @@ that did not run keeps its row and says why, so the table shape never depends on
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -382,7 +381,6 @@ def vs_base_frame(metrics: dict[str, Any]) -> pd.DataFrame:
                                        "only base", "McNemar p", "rollouts"])
 
 
-
 def _pp(x: float) -> str:
     return f"{100 * x:+.1f} pp"
 
@@ -495,102 +493,6 @@ def markdown(df: pd.DataFrame) -> str:
     rule = "| " + " | ".join("---" for _ in df.columns) + " |"
     body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, rule, *body]) + "\n"
-
-
-# --- Table 1 across environments ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class EnvBlock:
-    """One environment's Table 1 (a run's table1.csv, as `table1_long` wrote it) and where it came from."""
-
-    env: str
-    source: str
-    """'this run', or the root folder of the other run."""
-    rows: pd.DataFrame | None
-    """None when that run has no Table 1 (`reason` says why)."""
-    graded: bool = False
-    """Whether the environment's reward is graded (its block then shows the mean reward too)."""
-    reason: str = ""
-    detail: str = ""
-    """What the run evaluated ('test split, 32 tasks')."""
-
-
-def _number(v: Any) -> float | None:
-    """A CSV cell as a finite number, or None (empty, NaN or not a number)."""
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(x) or math.isinf(x) else x
-
-
-def env_block_cells(block: EnvBlock, key: str) -> tuple[str, str, str]:
-    """(rate cell, mean-reward cell, rollouts) of method `key` in one environment's block."""
-    if block.rows is None:
-        return "no run", "no run", EMPTY
-    found = block.rows[(block.rows["key"].astype(str) == key) & (block.rows["column"] == "overall")]
-    if found.empty:
-        return "not in that run", EMPTY, EMPTY
-    r = found.iloc[0]
-    rollouts = EMPTY if _number(r["rollouts"]) is None else str(round(_number(r["rollouts"])))
-    n = _number(r["n"])
-    if r["status"] != "run" or not n:
-        return "not run", "not run", rollouts
-    k, rate, lo, hi = (_number(r[c]) for c in ("successes", "success_rate", "ci_low", "ci_high"))
-    w_lo, w_hi = (_number(r.get(c)) for c in ("wilson_low", "wilson_high"))
-    if None in (k, rate, lo, hi):
-        return "unreadable", EMPTY, rollouts
-    lo, hi = success_interval({"ci_low": lo, "ci_high": hi, "wilson_low": w_lo, "wilson_high": w_hi})
-    cell = f"{100 * rate:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] ({round(k)}/{round(n)})"
-    mean, rlo, rhi = (_number(r.get(c)) for c in ("mean_reward", "reward_ci_low", "reward_ci_high"))
-    reward = EMPTY if None in (mean, rlo, rhi) else f"{mean:.3f} [{rlo:.3f}, {rhi:.3f}]"
-    return cell, reward, rollouts
-
-
-def method_label_across(by_env: Mapping[str, str]) -> str:
-    """One row label for a method whose label may differ between environments (the best single adapter
-    is chosen per run): the shared label, or the shared head with each environment's own detail,
-    'single-capability (best: retail a; phone b)'."""
-    distinct = list(dict.fromkeys(by_env.values()))
-    if len(distinct) == 1:
-        return distinct[0]
-    heads = {label.split(" (", 1)[0] for label in distinct}
-    if len(heads) == 1 and all(label.endswith(")") and " (" in label for label in distinct):
-        head = heads.pop()
-        details = [label.split(" (", 1)[1][:-1] for label in by_env.values()]
-        keys = {d.split(": ", 1)[0] for d in details if ": " in d}
-        if len(keys) == 1 and all(": " in d for d in details):  # 'best: a' and 'best: b' -> 'best: retail a; ...'
-            key = keys.pop()
-            return f"{head} ({key}: " + "; ".join(f"{env} {d.split(': ', 1)[1]}" for env, d in
-                                                   zip(by_env, details)) + ")"
-        return f"{head} (" + "; ".join(f"{env}: {d}" for env, d in zip(by_env, details)) + ")"
-    return "; ".join(f"{env}: {label}" for env, label in by_env.items())
-
-
-def environments_table(blocks: Sequence[EnvBlock]) -> pd.DataFrame:
-    """The paper's Table 1 across environments: one row per method (in the first block's order, then any
-    method only a later block has), per environment its overall success % with the 95% CI and k/n
-    ('perfect' on a graded environment, whose mean reward follows), and the rollouts behind it."""
-    labels: dict[str, dict[str, str]] = {}  # key -> {env: that block's label}
-    for block in blocks:
-        if block.rows is not None:
-            for key, label in zip(block.rows["key"], block.rows["method"]):
-                if isinstance(key, str) and key:
-                    labels.setdefault(key, {}).setdefault(block.env, str(label))
-    methods = {key: method_label_across(by_env) for key, by_env in labels.items()}
-    columns = ["method"]
-    for block in blocks:
-        columns.append(f"{block.env}: {'perfect' if block.graded else 'success'} % [95% CI] (k/n)")
-        if block.graded:
-            columns.append(f"{block.env}: mean reward [95% CI]")
-        columns.append(f"{block.env}: rollouts")
-    rows = []
-    for key, label in methods.items():
-        cells: list[str] = [label]
-        for block in blocks:
-            rate, reward, rollouts = env_block_cells(block, key)
-            cells += [rate, reward, rollouts] if block.graded else [rate, rollouts]
-        rows.append(cells)
-    return pd.DataFrame(rows, columns=columns)
 
 
 # --- records -----------------------------------------------------------------------------------------
