@@ -27,7 +27,8 @@ from trace_lib.config import load_params
 from trace_lib.budget import find_adapters
 from trace_lib.evaluation import inputs
 from trace_lib.evaluation.runner import eval_rollout_config, interference_matrix
-from trace_lib.stages.evaluate import _interference_envs, _open_sandboxes
+from trace_lib.evaluation.router_side import interference_envs, open_sandboxes
+from trace_lib.sandbox import limits_from_config
 
 
 def main() -> None:
@@ -47,8 +48,9 @@ def main() -> None:
     rcfg = eval_rollout_config(params.rollout, cfg)
     envs_on_disk = inputs.synthetic_manifests(root)
     with ExitStack() as stack:
-        boxes = _open_sandboxes(stack, root, params, [n for n in names if n in envs_on_disk], envs_on_disk)
-        envs = _interference_envs(boxes, params, cfg)
+        boxes = open_sandboxes(stack, root, limits_from_config(params.synthesize.validation),
+                               [n for n in names if n in envs_on_disk], envs_on_disk)
+        envs = interference_envs(boxes, params.env, cfg.interference_seeds, params.synthesize.difficulty)
         print(f"adapters {names}; environments {list(envs)}; {cfg.interference_seeds} seeds each; "
               f"{(len(names) + 1) * len(envs) * cfg.interference_seeds} episodes per arm")
         results: dict[str, list] = {}

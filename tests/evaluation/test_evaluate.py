@@ -572,7 +572,8 @@ def evaluate_tree(root, tiny_model_dir, lora_dirs, distilled: bool = False, **se
 def test_router_auto_is_chosen_on_the_validation_split(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     """`evaluate.router: auto`: the base model plays the validation tasks, the analyst labels them, and the
     router that agrees most with those labels drives the TRACE rows; the test split plays no part in the choice."""
-    from trace_lib.stages.evaluate import ROUTERS, _chosen_router, run_evaluate
+    from trace_lib.evaluation.router_side import ROUTERS, chosen_router
+    from trace_lib.stages.evaluate import run_evaluate
 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     env = {"tasks_per_family": 1, "families": ["order_total", "refuse_cancel"], "max_steps": 2,
@@ -586,23 +587,23 @@ def test_router_auto_is_chosen_on_the_validation_split(tmp_path, tiny_model_dir,
     assert metrics["methods"]["single_best"]["note"].startswith("best of 2 single adapters on the validation split")
     routers = metrics["routers"]
     assert {r: routers[r]["validation"]["tasks"] for r in ROUTERS} == dict.fromkeys(ROUTERS, 2)
-    assert metrics["router"] == _chosen_router("auto", routers, list(ROUTERS))
+    assert metrics["router"] == chosen_router("auto", routers, list(ROUTERS))
     assert metrics["routing"] == routers[metrics["router"]]["test"]
     labels = read_jsonl(Paths(tmp_path).validation_labels, Label)
     assert {lab.trajectory_id.split("#")[0].rsplit("-", 2)[1] for lab in labels} == {"validation"}
 
 
 def test_chosen_router_takes_the_best_validation_accuracy_first_in_order_on_a_tie():
-    from trace_lib.stages.evaluate import _chosen_router
+    from trace_lib.evaluation.router_side import chosen_router
 
     def acc(*values):
         return {r: {"validation": {"router_accuracy": v}} for r, v in zip(("logits", "calibrated", "knn"), values)}
 
     scored = ["logits", "calibrated", "knn"]
-    assert _chosen_router("knn", acc(0.9, 0.1, 0.0), scored) == "knn"
-    assert _chosen_router("auto", acc(0.2, 0.5, 0.4), scored) == "calibrated"
-    assert _chosen_router("auto", acc(0.5, 0.2, 0.5), scored) == "logits"
-    assert _chosen_router("auto", acc(None, None, 0.0), scored) == "knn"
+    assert chosen_router("knn", acc(0.9, 0.1, 0.0), scored) == "knn"
+    assert chosen_router("auto", acc(0.2, 0.5, 0.4), scored) == "calibrated"
+    assert chosen_router("auto", acc(0.5, 0.2, 0.5), scored) == "logits"
+    assert chosen_router("auto", acc(None, None, 0.0), scored) == "knn"
 
 
 def test_run_evaluate_smoke(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
