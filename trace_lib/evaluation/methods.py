@@ -1,8 +1,30 @@
-"""The evaluation's methods as rows to run: each method's weights per task, its rollout budget, or why it cannot run.
+"""The evaluation's methods as rows, and running them: each method's weights per task, its rollout budget, or why
+it cannot run; the router's decisions; the rows' episodes.
 
-Reads the adapters' budgets (`trace_lib.budget.adapter_budget`) and nothing else; writes nothing. The evaluate stage
-(`stages/evaluate.py`) collects a `MethodSpec` per row with `MethodSpecs.add`, in Table 1's order, then runs them
-(`run_specs`): every method's greedy episodes can then be decoded together before the rows are assembled.
+Reads the adapters' budgets (`trace_lib.budget.adapter_budget`) and, through `router_side`, the run's records;
+writes only the labels oracle's labels. The evaluate stage (`stages/evaluate.py`) collects a `MethodSpec` per row
+with `MethodSpecs.add`, in Table 1's order, has the routers route the tasks (`route_tasks`), then runs the rows
+(`run_specs`): every method's greedy episodes can then be decoded together before the rows are assembled;
+`router_quality` scores the routers against the oracle and random routing.
+
+The methods (`evaluate.methods`; paper §4):
+
+    base           the base model, no adapter
+    grpo_target    GRPO on the target's train tasks (one adapter)           | baselines trained at
+    grpo_target_late  the same, started with the reference's reads played  | TRACE's rollout budget
+    merged_data    one adapter trained on the mixture of all synthetic envs |
+    gepa           GEPA-optimized system prompt (`trace_lib.evaluation.gepa`) |
+    linear_merge   the per-capability adapters averaged (α = 1/n each), one fixed merge for every task
+    single         each capability adapter alone on every task; the best one gets its own row
+    oracle_route   each task routed to the capability the analyst labels lacking in the base model's
+                   episode of it, none where none is (`evaluate.oracle: labels`; the labels in
+                   data/evaluate/oracle_labels.jsonl), or by its capability tags (`tags`; built-in families)
+    hindsight_route  not a method: each task's episode from a route that solved it (base first, then the
+                   single adapters), the most a perfect argmax router could solve; needs `single`
+    trace          the base model routes each task: `argmax` (one adapter or none) and/or `top_p`
+                   (α-weighted merge, `compose.apply_route`)
+    distilled      one student adapter distilled on-policy from the capability adapters (`train.distill`,
+                   the paper's unified adapter) on every task; its budget is TRACE's plus its own
 """
 
 from __future__ import annotations
@@ -13,10 +35,25 @@ from pathlib import Path
 from typing import Any
 
 from trace_lib.budget import DISTILLED, adapter_budget
-from trace_lib.config import EnvConfig
+from trace_lib.config import EnvConfig, EvaluateConfig, RolloutConfig
+from trace_lib.envs import make_env
+from trace_lib.envs.base import Environment
+from trace_lib.evaluation.gepa import with_prompt
+from trace_lib.evaluation.router_side import (
+    ROUTERS,
+    LabelsOracle,
+    chosen_router,
+    router_candidates,
+    singles_on_validation,
+    train_side,
+    validation_routing,
+)
+from trace_lib.evaluation.runner import EpisodeMemo, decode_into_memo, evaluate_policy
+from trace_lib.evaluation.tables import MethodRun, hindsight_route, route_solvers
 from trace_lib.paths import Paths
-from trace_lib.records import Task
-from trace_lib.routing.decide import oracle_decisions
+from trace_lib.records import Task, Trajectory
+from trace_lib.routing.decide import oracle_decisions, route_by, routing_quality, with_top_p
+from trace_lib.routing.route import RouteDecision
 
 RoutingFor = Callable[[EnvConfig, list[Task]], Any]
 """A method's weights for one environment's tasks (`evaluation.runner.Routing`): None, an adapter, {adapter: α},
@@ -130,3 +167,112 @@ class MethodSpecs(list):
         other system prompt), less the labels oracle's, which needs the base model's episodes first."""
         return [s.routing_for for s in self if s.reason is None and s.prompts is None
                 and not (s.method == "oracle_route" and oracle == "labels")]
+
+
+class Evaluation:
+    """An evaluation in progress: the policy, the targets' tasks (`eval_targets`), the evaluation's rollout settings
+    (`eval_rollout_config`), TRACE's budget, the methods' runs and the router's decisions."""
+
+    def __init__(self, policy: Any, root: Path, names: list[str], cfg: EvaluateConfig, env: EnvConfig,
+                 rcfg: RolloutConfig, targets: list[tuple[EnvConfig, list[Task]]], budget: dict[str, Any],
+                 oracle: LabelsOracle, progress: bool) -> None:
+        self.policy, self.root, self.names, self.cfg, self.env = policy, root, names, cfg, env
+        self.rcfg, self.targets, self.budget, self.progress, self.oracle = rcfg, targets, budget, progress, oracle
+        self.tasks = [t for _, ts in targets for t in ts]
+        self.runs: list[MethodRun] = []
+        self.decisions: dict[str, list[RouteDecision]] = {}
+        self.memo: EpisodeMemo | None = {} if rcfg.temperature == 0 else None
+        self._oracle_routes: dict[str, str | None] | None = None
+
+    def labelled_oracle(self) -> dict[str, str | None]:
+        """The labels oracle on the evaluation split (task id -> adapter or None), once the base model's episodes
+        are there."""
+        if self._oracle_routes is None:
+            base_run = next(r for r in self.runs if r.key == "base" and r.ran)
+            self._oracle_routes = self.oracle.route(base_run.trajectories or [], self.targets)
+        return self._oracle_routes
+
+    def play(self, routing_for: Any, prompts: Mapping[str, str] | None = None) -> list[Trajectory]:
+        """One method's episodes on every target, through the shared memo unless it has its own prompts."""
+        out: list[Trajectory] = []
+        for ecfg, ts in self.targets:
+            factory: Callable[[], Environment] = lambda e=ecfg: make_env(e)  # noqa: E731
+            if prompts is not None:  # another system prompt: never share episodes with the memo
+                factory = with_prompt(factory, prompts[ecfg.name])
+            out += evaluate_policy(self.policy, ts, factory, self.rcfg, self.cfg.seed, routing_for(ecfg, ts),
+                                   self.progress, self.memo if prompts is None else None, ecfg.name)
+        return out
+
+
+def route_tasks(ev: Evaluation, boxes: Mapping[str, Any], routers: dict[str, dict[str, Any]], rollout_cfg: RolloutConfig,
+                rollout_split: str, seed_offset: int, difficulty: int) -> tuple:
+    """Every router on the test and train tasks (`rollout.split`'s rollouts), and on validation where there is a
+    validation split; fills in TRACE's decisions (`ev.decisions`) and the routers' validation records. Returns (the
+    chosen router, the routers scored, test decisions, train decisions, train tasks, those the base agent solved,
+    the train labels oracle)."""
+    cfg = ev.cfg
+    candidates, index = router_candidates(ev.root, ev.names, boxes, cfg, ev.env, seed_offset, difficulty)
+    rc = cfg.model_copy(update={"batch_size": ev.rcfg.batch_size})
+    train_tasks, train_solved, knn, train_lacking = train_side(ev.root, ev.env, rollout_split, ev.names)
+    scored = [r for r in ROUTERS if r != "knn" or knn is not None]
+    if knn is None:
+        routers["knn"] = {"note": "no score-stage labels of the train rollouts"}
+    test = {r: [] for r in scored}
+    for ecfg, ts in ev.targets:
+        for r, ds in route_by(ev.policy, ts, candidates, rc, lambda e=ecfg: make_env(e), scored, index, knn).items():
+            test[r] += ds
+    train = route_by(ev.policy, train_tasks, candidates, rc, lambda: make_env(ev.env), scored, index, knn)
+    if ev.env.validation_fraction:
+        for r, q in validation_routing(ev.policy, ev.oracle, ev.env, rollout_cfg, candidates, rc, scored,
+                                       index, knn).items():
+            routers.setdefault(r, {})["validation"] = q
+    chosen = chosen_router(cfg.router, routers, scored)
+    for r in scored:
+        ev.decisions[f"router_{r}"] = test[r]
+    ev.decisions["trace_argmax"] = ev.decisions.pop(f"router_{chosen}")
+    ev.decisions["trace_top_p"] = with_top_p(ev.decisions["trace_argmax"], cfg.top_p)
+    return chosen, scored, test, train, train_tasks, train_solved, train_lacking
+
+
+def run_specs(ev: Evaluation, specs: MethodSpecs) -> int:
+    """Every row's episodes (decoded together first with `evaluate.decode_together`), the best single adapter's
+    validation record and the hindsight bound; returns how many episodes were decoded together."""
+    cfg = ev.cfg
+    decoded_together = 0
+    if ev.memo is not None and cfg.decode_together:  # every method's greedy episodes in one batch
+        plans = specs.plans(cfg.oracle)
+        for ecfg, ts in ev.targets:
+            decoded_together += decode_into_memo(ev.policy, ts, lambda e=ecfg: make_env(e), ev.rcfg, cfg.seed,
+                                                 [f(ecfg, ts) for f in plans], ev.memo, ecfg.name, ev.progress)
+    for s in specs:
+        trajs = ev.play(s.routing_for, s.prompts) if s.reason is None else None
+        ev.runs.append(MethodRun(s.method, s.key, s.label, trajs, s.reason or "", s.budget_n, s.source))
+    singles = [r for r in ev.runs if r.method == "single" and r.ran]
+    if len(singles) > 1 and ev.env.validation_fraction:  # the best single adapter, chosen on validation
+        played = singles_on_validation(ev.policy, ev.env, [r.key.removeprefix("single_") for r in singles],
+                                       ev.rcfg, cfg.seed)
+        for r in singles:
+            r.validation = played[r.key.removeprefix("single_")]
+    bound = hindsight_route(ev.runs, ev.budget["total"])  # what a perfect argmax router could solve
+    ev.runs += [bound] if bound is not None else []
+    return decoded_together
+
+
+def router_quality(ev: Evaluation, routed: tuple, routers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each scored router on train and test against the oracle and random routing; returns the chosen one's test
+    record."""
+    chosen, scored, test, train, train_tasks, train_solved, train_lacking = routed
+    cfg, runs = ev.cfg, ev.runs
+    solvers = route_solvers(runs) if any(r.key == "hindsight_route" for r in runs) else None
+    base_solved = {t.task_id for t in runs[0].trajectories or [] if t.success}
+    test_oracle, train_oracle = None, None  # None: the task tags
+    if cfg.oracle == "labels":  # without the base model's episodes the oracle routes no test task
+        test_oracle = ev.labelled_oracle() if runs[0].ran else {}
+        train_oracle = train_lacking or {}
+    for r in scored:
+        routers[r] = {"train": routing_quality(train[r], train_tasks, ev.names, cfg.seed, train_solved,
+                                               oracle=train_oracle),
+                      **routers.get(r, {}),
+                      "test": routing_quality(test[r], ev.tasks, ev.names, cfg.seed, base_solved, solvers,
+                                              oracle=test_oracle)}
+    return routers[chosen]["test"]

@@ -15,6 +15,7 @@ from trace_lib.evaluation.tables import (
     TABLE1_ORDER,
     MethodRun,
     capability_table,
+    groups_of,
     interference_table,
     markdown,
     ordered_rows,
@@ -22,6 +23,7 @@ from trace_lib.evaluation.tables import (
     router_quality_table,
     routing_table,
     table1,
+    table1_long,
     trace_run,
 )
 from trace_lib.records import Task
@@ -100,3 +102,16 @@ def evaluate_metrics(runs: list[MethodRun], env_names: Sequence[str], graded_env
                     for r in ordered_rows(runs, (*TABLE1_ORDER, "oracle_route", "hindsight_route"))},
         "routing": quality, "interference": interference, **(extra or {}),
     }
+
+
+def evaluate_tables(runs: list[MethodRun], tasks: Sequence[Task], env_names: Sequence[str],
+                    graded_envs: Sequence[str], quality: Mapping[str, Any], routers: Mapping[str, Any] | None,
+                    interference: list[dict[str, Any]], adapters: Sequence[str], cfg: EvaluateConfig,
+                    trace_total: int) -> dict[tuple[str, str], str]:
+    """Every table the evaluate stage writes, by (name, suffix) under reports/tables/, in the order it writes them."""
+    groups = groups_of(tasks)
+    return {("table1", ".md"): table1_markdown(runs, groups, env_names, graded_envs, len(tasks), cfg, trace_total),
+            ("table1", ".csv"): table1_long(runs, groups).to_csv(index=False),
+            ("routing", ".md"): routing_markdown(runs, quality, routers, cfg, trace_total),
+            ("interference", ".md"): interference_markdown(interference),
+            ("capabilities", ".md"): capabilities_markdown(tasks, runs, interference, adapters)}

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from trace_lib.evaluation.tables import success_interval  # noqa: E402
+from trace_lib.evaluation.tables import interference_frame, ordered_rows, success_interval  # noqa: E402
 
 
 TRACE_METHODS = ("trace", "distilled")
@@ -92,6 +92,15 @@ def routing_confusion(quality: dict[str, Any], title: str = "") -> plt.Figure:
     ax.set_title(title or (f"accuracy {acc:.2f} (random {rnd:.2f})" if acc is not None else ""))
     fig.tight_layout()
     return fig
+
+
+def evaluate_figures(runs: Sequence[Any], interference: Sequence[dict[str, Any]],
+                     quality: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate stage's figures by name under reports/figures/, each made when called (one open at a time):
+    success per method, the interference heatmap, the routing confusion."""
+    return {"evaluate_success": lambda: success_by_method(ordered_rows(runs)),
+            "evaluate_interference": lambda: interference_heatmap(interference_frame(interference)),
+            "evaluate_routing_confusion": lambda: routing_confusion(quality)}
 
 
 def scaling_curve(rows: Sequence[dict[str, Any]], title: str = "") -> plt.Figure:
