@@ -1032,7 +1032,7 @@ def test_distillation_scores_each_episode_with_the_teacher_of_its_source(tiny_mo
 
 
 def test_the_student_samples_at_temperature_one_and_trains_every_turn():
-    from trace_lib.stages.train import distill_config
+    from trace_lib.training.plan import distill_config
 
     cfg = TrainConfig(temperature=0.8, hint_fraction=0.5, start_late=0.5, learning_rate=5e-4, iterations=7,
                       distill={"iterations": 2, "learning_rate": 1e-4})
@@ -1073,6 +1073,7 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
     from trace_lib.io import read_json, write_json
     from trace_lib.records import AdapterManifest
     from trace_lib.stages import train as stage
+    from trace_lib.training import plan
     from trace_lib.training.trainer import planned_rollouts
 
     params = params_from_dict({"train": {"groups": 1, "group_size": 2, "reference_samples": 0, "iterations": 2, "baselines": ["grpo_target"],
@@ -1105,9 +1106,9 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
     monkeypatch.setattr(stage, "valid_envs", lambda root: [SimpleNamespace(
         capability_id="cap", path="envs/cap", sha256="0", calibration=calibration, difficulty={"value": 0})])
     monkeypatch.setattr(stage, "SandboxProcess", Box)
-    monkeypatch.setattr(stage, "trace_budget", lambda root, names, split: {"total": 6 + 4 * len(names)})
-    monkeypatch.setattr(stage, "target_source", lambda env, split, root: None)
-    monkeypatch.setattr(stage, "train_adapter_mixture", fake_train)
+    monkeypatch.setattr(plan, "trace_budget", lambda root, names, split: {"total": 6 + 4 * len(names)})
+    monkeypatch.setattr(plan, "target_source", lambda env, split, root: None)
+    monkeypatch.setattr(plan, "train_adapter_mixture", fake_train)
     metrics = stage.run_train(params, tmp_path)
 
     assert metrics == read_json(tmp_path / "reports/metrics/train.json")
@@ -1120,7 +1121,7 @@ def test_the_train_stage_reports_each_adapters_seconds_per_rollout_in_its_metric
     assert late == {"cap": 1.0, "grpo_target": params.train.start_late}
     data = [p.read_text() for p in (tmp_path / "data").rglob("*") if p.is_file() and "logs" not in p.parts]
     assert data and not any("seconds" in text for text in data)  # wall times: metrics and data/logs only
-    assert stage.per_rollout({"total_seconds": 5.0}, 0)["seconds_per_rollout"] is None  # nothing spent
+    assert plan.per_rollout({"total_seconds": 5.0}, 0)["seconds_per_rollout"] is None  # nothing spent
 
 
 def test_the_train_stage_with_no_environment_writes_its_outputs_empty(tmp_path):
@@ -1144,6 +1145,7 @@ def test_the_baselines_get_tracess_discovery_and_calibration_even_when_no_enviro
     from trace_lib.io import write_json
     from trace_lib.records import AdapterManifest
     from trace_lib.stages import train as stage
+    from trace_lib.training import plan
     from trace_lib.training.trainer import planned_rollouts
 
     params = params_from_dict({"train": {"groups": 1, "group_size": 2, "reference_samples": 0, "baselines": ["grpo_target", "grpo_target_late"],
@@ -1159,9 +1161,9 @@ def test_the_baselines_get_tracess_discovery_and_calibration_even_when_no_enviro
                                rollouts_used=planned_rollouts(cfg), iterations=cfg.iterations)
 
     monkeypatch.setattr(stage, "valid_envs", lambda root: [])
-    monkeypatch.setattr(stage, "trace_budget", lambda root, names, split: {"total": 48 + 96 + 3})
-    monkeypatch.setattr(stage, "target_source", lambda env, split, root: None)
-    monkeypatch.setattr(stage, "train_adapter_mixture", fake_train)
+    monkeypatch.setattr(plan, "trace_budget", lambda root, names, split: {"total": 48 + 96 + 3})
+    monkeypatch.setattr(plan, "target_source", lambda env, split, root: None)
+    monkeypatch.setattr(plan, "train_adapter_mixture", fake_train)
     metrics = stage.run_train(params, tmp_path)
     assert budgets == {"grpo_target": (147, 146, params.train.start_late), "grpo_target_late": (147, 146, 1.0)}
     assert metrics["trace_budget"] == 147 and metrics["baselines_skipped"] == {}
