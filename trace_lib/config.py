@@ -1,7 +1,10 @@
 """Typed configuration: one class per params.yaml section, the only home of defaults.
 
+One module on purpose: every section and its defaults read top to bottom in params.yaml's order, long sections
+grouped under headings; the profiles' values are `trace_lib.profiles`.
+
 `load_params(path)` reads params.yaml, lays the chosen profile's values (`cpu`, `gpu` or `paper`, in
-`PROFILES`) under the file's own values, and validates everything. A file value that replaces a
+`trace_lib.profiles`) under the file's own values, and validates everything. A file value that replaces a
 profile's value is allowed and warned about (`ProfileOverride`), naming the key. Unknown keys and wrong types fail before
 any work starts, with an error that names the key (e.g. `rollout.temperatur: unknown key`).
 """
@@ -16,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trace_lib.profiles import PROFILES, merge, profile_overrides, profile_values
 
 
 class ConfigError(ValueError):
@@ -91,6 +96,7 @@ class PolicyConfig(Section):
 class EnvConfig(Section):
     """The target environment and its task set."""
 
+    # --- the target and its tasks ---------------------------------------------------------------------------
     name: str = "retail"
     """'retail' (built-in procedural families over τ²-bench retail tools), 'phone' (built-in ToolSandbox-style
     phone scenarios, milestone scoring), 'tau2-retail', 'tau2-airline'."""
@@ -110,6 +116,8 @@ class EnvConfig(Section):
     only. 0: no validation split, and the train and test splits are the same as without one."""
     validation_tasks_per_family: int | None = Field(None, ge=1)
     """Tasks per family in the validation split (None: `tasks_per_family`)."""
+
+    # --- an episode's limits --------------------------------------------------------------------------------
     max_steps: int = Field(8, ge=1)
     """Agent turns before the episode is cut off (scores 0). τ² envs count as τ²-bench does: every
     agent message, batch of tool results and user message is a step (τ²'s own default is 200)."""
@@ -122,6 +130,8 @@ class EnvConfig(Section):
     """Seed of the task generator (fixed so the split never changes)."""
     tools: Literal["core", "all"] = "core"
     """Built-in env: 'core' exposes the retail tools its families need, 'all' every τ²-bench retail tool."""
+
+    # --- the user (scripted, or τ²'s LLM user) --------------------------------------------------------------
     user: Literal["scripted", "llm"] = "scripted"
     """User simulator: deterministic script, or an LLM through the analyst backend (τ² envs and phone)."""
     user_model: str = "claude-sonnet-4-5"
@@ -134,6 +144,8 @@ class EnvConfig(Section):
     """`user_backend: openai`: the environment variable holding the key; unset: a placeholder."""
     user_cache_dir: str = "data/user_cache"
     """`user: llm`: replies cached by request hash (plus ledger.jsonl); persistent."""
+
+    # --- the tools ------------------------------------------------------------------------------------------
     tool_timeout_s: float = Field(5.0, gt=0)
     """Wall time one tool call may take (built-in and τ² tools run in a forked copy that is stopped
     after it); a call that takes longer is a tool error. Synthesized envs use `synthesize`'s limits."""
@@ -402,11 +414,14 @@ class DistillConfig(Section):
 class TrainConfig(Section):
     """GRPO with one LoRA adapter per capability (stage `train`, paper §3.3)."""
 
+    # --- where it trains ------------------------------------------------------------------------------------
     backend: Literal["auto", "trl", "unsloth"] = "auto"
     """'auto': unsloth when CUDA is available and unsloth imports, else TRL on CPU/GPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Base weights while training ('auto': bfloat16 where it is faster than float32 on the device, as
     `model.dtype`, else float32); LoRA weights stay float32."""
+
+    # --- the adapter (LoRA on q, k, v, o, gate, up, down as the paper; its rank 16: the paper profile) -----
     lora_rank: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -416,6 +431,8 @@ class TrainConfig(Section):
     """LoRA on the top k decoder layers only (PEFT's `layers_to_transform`: the last k layer indices); the
     saved adapter then holds weights for those layers alone. None, or at least the model's layer count: every
     layer."""
+
+    # --- GRPO (TRL's GRPOConfig names: beta, epsilon; paper §3.3) -------------------------------------------
     learning_rate: float = Field(1e-5, gt=0)
     iterations: int = Field(2, ge=1)
     """GRPO iterations (optimizer steps); each samples `groups` seeds x `group_size` rollouts."""
@@ -431,6 +448,8 @@ class TrainConfig(Section):
     """KL weight to the base model (0 in the paper)."""
     epsilon: float = Field(0.2, gt=0)
     """PPO clip range of the GRPO objective."""
+
+    # --- what is trained (paper: results truncated, lookup-only samples filtered) ---------------------------
     tool_result_tokens: int = Field(256, ge=16)
     """A tool result before a turn the loss skips (a lookup-only turn, `filter_lookup_only`) is cut to this many
     tokens in the training sequence, and so in what every later turn is sampled from (the paper's truncation of
@@ -438,6 +457,8 @@ class TrainConfig(Section):
     (`agent/episode.py`: `cut_before_skipped_turn`)."""
     filter_lookup_only: bool = True
     """Drop samples whose only action is a read-only lookup (keeping one sample per episode)."""
+
+    # --- budget, checkpoints and snapshots ------------------------------------------------------------------
     rollout_budget: int | None = Field(None, ge=1)
     """Rollouts one adapter may spend (None: iterations x groups x group_size); training stops there."""
     seed_offset: int = 1000
@@ -447,6 +468,8 @@ class TrainConfig(Section):
     snapshots: bool = True
     """Keep the adapter of every checkpoint but the last in `<adapter>/snapshots/iter-<k>/` with its
     rollouts: the budget points of the scaling stage (no retraining per point)."""
+
+    # --- episodes and guidance (reference samples: LUFFY, ToolExpander) -------------------------------------
     max_steps_per_episode: int = Field(6, ge=1)
     hint_fraction: float = Field(0.0, ge=0, lt=1)
     """Hint swap: this share of each group's rollouts (rounded, at least one, never all) is played with
@@ -468,6 +491,8 @@ class TrainConfig(Section):
     reference_when: Literal["always", "all_failed"] = "always"
     """'always': every group carries its references; 'all_failed': only groups whose sampled episodes all failed
     (the other groups sample those slots too)."""
+
+    # --- decoding the episodes ------------------------------------------------------------------------------
     constrained: bool = True
     tool_choice: Literal["auto", "first", "required"] = "first"
     continuous_batching: bool = True
@@ -484,6 +509,8 @@ class TrainConfig(Section):
     sliding-window layers is refused (set it false there). Off by default: the CPU default's whole train stage
     in lockstep took as long as one training after another (14 min 20 s against 14 min 4 s, other episodes;
     8.7 GB resident at most; benchmarks/README.md: train_lockstep)."""
+
+    # --- rewards, sources, baselines and the student --------------------------------------------------------
     reward: RewardConfig = Field(default_factory=RewardConfig)
     mixture: dict[str, float] = Field(default_factory=dict)
     """Multi-environment curriculum: capability -> mixing weight (empty: one env per adapter)."""
@@ -496,6 +523,8 @@ class TrainConfig(Section):
     training as all capability adapters together."""
     distill: DistillConfig = Field(default_factory=DistillConfig)
     """The distilled student (`data/adapters/_baselines/distilled/`), evaluated as the `distilled` method."""
+
+    # --- compute --------------------------------------------------------------------------------------------
     shared_prompt: bool = True
     """Compute every stretch of tokens several episodes share (the prompt, a group's common first tool call
     and result) once per loss pass, score only the agent's tokens (training/shared_prompt.py); False: TRL's
@@ -550,6 +579,7 @@ METHODS: tuple[str, ...] = ("base", "grpo_target", "grpo_target_late", "gepa", "
 class EvaluateConfig(Section):
     """Router + adapters on the held-out split; baselines at equal rollout budget (stage `evaluate`, paper §4)."""
 
+    # --- the tasks and how they are played ------------------------------------------------------------------
     split: str = "test"
     """Target tasks: 'test' (held out), 'train', or 'all' (τ² envs: their full 'base' task set, as the paper)."""
     envs: list[str] = Field(default_factory=list)
@@ -566,6 +596,8 @@ class EvaluateConfig(Section):
     """Tokens per agent turn (None: rollout.max_new_tokens, the budget the base agent was rolled out with)."""
     batch_size: int | None = Field(None, ge=1)
     """Episodes decoded together, and routing prompts scored together (None: rollout.batch_size)."""
+
+    # --- routing (paper: argmax and top-p merges) -----------------------------------------------------------
     route_mode: Literal["argmax", "top_p", "both"] = "both"
     """TRACE rows: 'argmax' (one adapter or none), 'top_p' (α-weighted merge of the top-p labels), or both."""
     top_p: float = Field(0.9, gt=0, le=1)
@@ -590,6 +622,8 @@ class EvaluateConfig(Section):
     """Candidates offered per task: the capabilities of the k most similar openings of synthetic training
     tasks (MiniLM embeddings); None: every capability. With retrieval on, a capability without a
     synthetic environment is never offered."""
+
+    # --- interference and decoding --------------------------------------------------------------------------
     interference_seeds: int = Field(4, ge=0)
     """Synthetic-env tasks per capability for the interference matrix (each adapter and the base on
     each capability's env); 0 skips it."""
@@ -599,6 +633,8 @@ class EvaluateConfig(Section):
     batch whose rows run under different weights (`runner.decode_into_memo`, `engine.row_lora`), the routes
     interleaved, instead of one batch per method: faster on a CPU, the same successes (benchmarks/README.md:
     evaluate_routes.py); the cpu profile turns it on. Off elsewhere: not measured on a GPU."""
+
+    # --- the methods and GEPA -------------------------------------------------------------------------------
     methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))
     """Methods to run (others are reported as 'not run'): base, grpo_target, gepa, merged_data,
     linear_merge, single, oracle_route, trace."""
@@ -610,6 +646,8 @@ class EvaluateConfig(Section):
     (None: the whole train split; at most half the budget is spent scoring the seed prompt)."""
     gepa_minibatch: int = Field(3, ge=1)
     """GEPA row: tasks per reflection minibatch (GEPA's default 3)."""
+
+    # --- statistics -----------------------------------------------------------------------------------------
     n_boot: int = Field(2000, ge=0)
     """Bootstrap resamples for the intervals and the paired differences."""
     ci_level: float = Field(0.95, gt=0, lt=1)
@@ -679,118 +717,6 @@ class Params(Section):
         return self
 
 
-# Values a profile sets when params.yaml does not. The file's own values win, and `load_params` warns
-# about each one that replaces a value of the chosen profile (`profile_overrides`), so a file written for
-# one profile cannot silently pin another profile's sizes.
-PROFILES: dict[str, dict[str, Any]] = {
-    # The CPU default: SmolLM2-135M on 2 cores; on the built-in retail target, the planted testbed (`TESTBED`)
-    "cpu": {
-        # fp32 or bf16, whichever this CPU computes faster; tools listed as signatures (fewer prompt tokens)
-        "model": {"id": "smollm2-135m", "dtype": "auto", "device": "cpu", "tool_format": "signature"},
-        # an episode ends at a repeated call (a looping episode is the costliest)
-        "env": {"tasks_per_family": 2, "max_steps": 8, "max_errors": 4, "end_on_repeated_call": True},
-        # a tool call forced on the first turn: SmolLM2 almost never calls a tool unprompted
-        "rollout": {"samples_per_task": 2, "temperature": 0.3, "max_new_tokens": 96, "batch_size": 16,
-                    "constrained": True, "tool_choice": "first"},
-        # the capability of largest gap only: one adapter's training is what 2 cores afford in the hour
-        "score": {"max_kept": 1},
-        # each environment fitted to the base model before training (kinds it does not solve, references of full
-        # reward), or dropped with the reason
-        "synthesize": {"difficulty": 0, "validation": {"band": False},
-                       "calibration": {"enabled": True, "seeds": 4, "samples": 8, "max_attempts": 3}},
-        # G8 x K8 at T 0.8, 2 of each group the task's reference, 640 rollouts per adapter, LoRA on the top 8
-        # layers (docs/LOG.md: the reference-sample gate); GRPO on target and its reads-played ablation at TRACE's
-        # total
-        "train": {"iterations": 10, "groups": 8, "group_size": 8, "temperature": 0.8, "learning_rate": 2e-3,
-                  "reference_samples": 2, "lora_layers": 8, "dtype": "auto",
-                  "baselines": ["grpo_target", "grpo_target_late"], "distill": {"iterations": 0}},
-        # greedy episodes of every method but GEPA (needs an LLM), merged data and the student (gpu, paper)
-        "evaluate": {"methods": ["base", "grpo_target", "grpo_target_late", "linear_merge", "single", "oracle_route",
-                                 "trace"], "route_mode": "argmax", "interference_seeds": 2,
-                     "router": "knn", "decode_together": True, "batch_size": 32},
-        # TRACE after 2, 4, 6 and 8 of its 10 updates (its discovery and calibration first), and the final adapter
-        "scaling": {"budgets": [240, 368, 496, 624]},
-        "testbed": {
-            # four one-lookup families: order_status (the control the base model solves) and three planted
-            # deficits; 24 train, 16 validation and 48 test tasks; the router chosen on validation
-            "env": {"families": ["order_status", "order_total", "order_tracking", "refuse_cancel"],
-                    "tasks_per_family": 6, "validation_fraction": 0.15, "validation_tasks_per_family": 4,
-                    "test_tasks_per_family": 12},
-            "evaluate": {"router": "auto"},
-        },
-    },
-    # SmolLM2-135M on one GPU: 640 rollouts per adapter, 56 tasks per split, every method (docs/scale.md)
-    "gpu": {
-        "model": {"id": "smollm2-135m", "dtype": "bfloat16", "device": "auto", "tool_format": "signature"},
-        "env": {"tasks_per_family": 8, "max_steps": 8, "max_errors": 4,  # 7 families x 8 = 56 tasks per split
-                "end_on_repeated_call": True},
-        "rollout": {"samples_per_task": 4, "temperature": 0.3, "max_new_tokens": 128, "batch_size": 64,
-                    "constrained": True, "tool_choice": "first"},
-        "synthesize": {"difficulty": 0, "validation": {"band": False}},
-        "train": {"iterations": 10, "groups": 8, "group_size": 8, "temperature": 0.8, "learning_rate": 2e-4,
-                  "dtype": "bfloat16", "hint_fraction": 0.5, "save_every": 2,
-                  "baselines": ["grpo_target", "grpo_target_late", "merged_data"], "distill": {"iterations": 4}},
-        "evaluate": {"route_mode": "both", "interference_seeds": 2, "router": "calibrated"},
-    },
-    "paper": {
-        "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "dtype": "bfloat16"},
-        "env": {"tasks_per_family": 64, "max_steps": 30, "max_errors": 10},
-        "rollout": {"samples_per_task": 1, "temperature": 0.0, "max_new_tokens": 512,
-                    "batch_size": 32, "constrained": False},
-        "synthesize": {"validation": {"band": True}},
-        "train": {"lora_rank": 16, "lora_alpha": 32, "learning_rate": 1e-5, "iterations": 40, "groups": 64,
-                  "group_size": 16, "temperature": 1.0, "max_new_tokens": 512, "max_steps_per_episode": 30,
-                  "constrained": False, "tool_choice": "auto", "tool_result_tokens": 1024,
-                  "baselines": ["grpo_target", "grpo_target_late", "merged_data"], "distill": {"iterations": 10},
-                  "save_every": 5},
-    },
-}
-
-
-TESTBED = "testbed"
-"""A profile's key for the values it sets only on the built-in retail target (`profile_values`): the cpu profile's
-planted testbed. Another target (`env.name`: phone, τ²) keeps the rest of the profile."""
-
-
-def profile_values(profile: str, data: dict[str, Any]) -> dict[str, Any]:
-    """The values profile `profile` sets for params `data`: its own, with its `TESTBED` values on top where the
-    target is the built-in retail environment."""
-    prof = {k: v for k, v in PROFILES.get(profile, {}).items() if k != TESTBED}
-    env = data.get("env") if isinstance(data.get("env"), dict) else {}
-    if env.get("name", prof.get("env", {}).get("name", "retail")) == "retail":
-        prof = _merge(prof, PROFILES.get(profile, {}).get(TESTBED, {}))
-    return prof
-
-
-def profile_overrides(data: dict[str, Any], profile: str | None = None) -> dict[str, tuple[Any, Any]]:
-    """Dotted keys whose value in `data` replaces a different value of the profile's:
-    `{"train.iterations": (40, 2)}` (profile's value, the file's)."""
-    profile = profile or data.get("profile", "cpu")
-    out: dict[str, tuple[Any, Any]] = {}
-
-    def walk(prof: dict[str, Any], given: dict[str, Any], prefix: str) -> None:
-        for key, value in prof.items():
-            if key not in given:
-                continue
-            if isinstance(value, dict) and isinstance(given[key], dict):
-                walk(value, given[key], f"{prefix}{key}.")
-            elif given[key] != value:
-                out[f"{prefix}{key}"] = (value, given[key])
-
-    walk(profile_values(profile, data), data, "")
-    return out
-
-
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def _section_fields(loc: tuple[Any, ...]) -> list[str]:
     """The field names of the section `loc` lies in ([] where that is no section of `Params`)."""
     model: type[BaseModel] = Params
@@ -830,7 +756,7 @@ def params_from_dict(data: dict[str, Any], source: str = "params") -> Params:
     if profile not in PROFILES:
         raise ConfigError(f"{source}: profile: must be one of {sorted(PROFILES)}, got {profile!r}")
     try:
-        params = Params.model_validate(_merge(profile_values(profile, data), data))
+        params = Params.model_validate(merge(profile_values(profile, data), data))
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
     for key, (theirs, ours) in profile_overrides(data, profile).items():
