@@ -21,7 +21,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import trace_lib.engine.policy as policy_mod
+import trace_lib.engine.decoding as decoding
 from trace_lib.engine.policy import Policy, load_policy
 from trace_lib.config import load_params
 
@@ -37,20 +37,20 @@ def record_calls(policy: Policy, run) -> list[tuple[list[list[int]], list | None
         calls.append(([list(p) for p in prompts], list(kwargs["sessions"]) if kwargs.get("sessions") else None))
         return original(prompts, **kwargs)
 
-    saving, policy_mod.MIN_STEM_SAVING = policy_mod.MIN_STEM_SAVING, NO_STEMS
+    saving, decoding.MIN_STEM_SAVING = decoding.MIN_STEM_SAVING, NO_STEMS
     policy.generate_ids = recording
     try:
         run()
     finally:
         policy.generate_ids = original
-        policy_mod.MIN_STEM_SAVING = saving
+        decoding.MIN_STEM_SAVING = saving
     return calls
 
 
 def replay_prefill(policy: Policy, calls, stems: bool) -> tuple[float, int]:
     """(prefill seconds, prompt tokens computed) of the calls, one new token each."""
-    saving = policy_mod.MIN_STEM_SAVING
-    policy_mod.MIN_STEM_SAVING = saving if stems else NO_STEMS
+    saving = decoding.MIN_STEM_SAVING
+    decoding.MIN_STEM_SAVING = saving if stems else NO_STEMS
     try:
         policy.clear_prefix_cache()
         before = dict(vars(policy.stats))
@@ -60,7 +60,7 @@ def replay_prefill(policy: Policy, calls, stems: bool) -> tuple[float, int]:
             policy.end_sessions(sessions)
         after = vars(policy.stats)
     finally:
-        policy_mod.MIN_STEM_SAVING = saving
+        decoding.MIN_STEM_SAVING = saving
     computed = ((after["prompt_tokens"] - after["cached_prompt_tokens"])
                 - (before["prompt_tokens"] - before["cached_prompt_tokens"]))
     return after["prefill_seconds"] - before["prefill_seconds"], computed

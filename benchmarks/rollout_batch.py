@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trace_lib.engine import kvcache
-from trace_lib.engine import policy as policy_mod
+from trace_lib.engine import decoding, policy as policy_mod
 from trace_lib.agent.rollout import collect_rollouts
 from trace_lib.config import load_params
 from trace_lib.envs import make_env, make_tasks
@@ -46,7 +46,7 @@ from trace_lib.envs import make_env, make_tasks
 def engine_mode(mode: str):
     if mode not in ("continuous", "ragged", "sliced", "padded"):
         raise ValueError(f"unknown mode {mode!r} (continuous, ragged, sliced, padded)")
-    saved = policy_mod.prefill_cost, kvcache.history_split, kvcache.WHOLE_READ_COST, kvcache.BufferedLayer.update
+    saved = decoding.prefill_cost, kvcache.history_split, kvcache.WHOLE_READ_COST, kvcache.BufferedLayer.update
     if mode in ("sliced", "padded"):
         whole_update = kvcache.BufferedLayer.update
 
@@ -57,12 +57,12 @@ def engine_mode(mode: str):
         kvcache.BufferedLayer.update = filled_update
         kvcache.WHOLE_READ_COST = 1.0  # column 0 then costs what any other cut does, as before
     if mode == "padded":
-        policy_mod.prefill_cost = lambda *a: 0.0  # every split looks no cheaper than one padded pass
+        decoding.prefill_cost = lambda *a: 0.0  # every split looks no cheaper than one padded pass
         kvcache.history_split = lambda starts, length: 0  # every row's keys from column 0
     try:
         yield
     finally:
-        (policy_mod.prefill_cost, kvcache.history_split, kvcache.WHOLE_READ_COST,
+        (decoding.prefill_cost, kvcache.history_split, kvcache.WHOLE_READ_COST,
          kvcache.BufferedLayer.update) = saved
 
 

@@ -66,7 +66,7 @@ from datasets import Dataset
 from transformers import set_seed
 
 import trace_lib.engine.packed as packed_mod
-import trace_lib.engine.policy as policy_mod
+import trace_lib.engine.decoding as decoding
 import trace_lib.training.shared_prompt as shared_prompt_mod
 import trace_lib.training.trainer as trainer_mod
 from trace_lib.engine.model import bf16_is_faster, has_bf16_kernels, resolve_model
@@ -258,7 +258,7 @@ def main() -> None:
         "iterations": args.iterations, "save_every": args.iterations, "snapshots": False,
         **({"groups": args.groups} if args.groups else {}), **({"group_size": args.group_size} if args.group_size else {})})
     results: dict[str, dict] = {}
-    stem_saving = policy_mod.MIN_STEM_SAVING
+    stem_saving = decoding.MIN_STEM_SAVING
     with tempfile.TemporaryDirectory() as tmp:
         module = Path(tmp) / "env.py"
         module.write_text(render_template_module(args.capability, target_spec(params.env),
@@ -284,7 +284,7 @@ def main() -> None:
                         r["completion_tokens"], r["rewards"], tool_metrics=r["tool_metrics"])
                 else:
                     cfg = base.model_copy(update=ROWS[row])
-                    policy_mod.MIN_STEM_SAVING = 10**9 if row in NO_STEMS else stem_saving
+                    decoding.MIN_STEM_SAVING = 10**9 if row in NO_STEMS else stem_saving
                     counter = UpdateTokens()
                     restore = counter.counting()
                     if row in SHUFFLED:  # TRL's own split: the rows shuffled, whatever the number of passes

@@ -9,7 +9,8 @@ import torch
 
 from trace_lib.engine.kvcache import append_rows, shared_prefix
 from trace_lib.engine.chat import parse_assistant
-from trace_lib.engine.policy import Generation, exponential_draw, load_policy, sample_tokens
+from trace_lib.engine.sampling import exponential_draw, sample_tokens
+from trace_lib.engine.policy import Generation, load_policy
 from trace_lib.records import Message
 
 TOOLS = [{"type": "function", "function": {
@@ -347,7 +348,7 @@ def test_a_session_is_reused_only_as_far_as_the_prompt_repeats_it(policy):
 
 
 def test_shared_stems_groups_rows_that_repeat_one_another_beyond_their_cache():
-    from trace_lib.engine.policy import shared_stems
+    from trace_lib.engine.decoding import shared_stems
 
     common = list(range(100, 160))  # 60 tokens every row of the pair has to compute
     prompts = [common + [1, 2], [7] * 40, common + [3], common[:30] + [9] * 20]
@@ -367,7 +368,7 @@ def test_shared_stems_groups_rows_that_repeat_one_another_beyond_their_cache():
 
 @pytest.mark.parametrize("impl", ["cascade", "sdpa"])
 def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, monkeypatch):
-    import trace_lib.engine.policy as policy_mod
+    import trace_lib.engine.decoding as decoding
 
     pol = load_policy(tiny_model_dir, attn_implementation=impl)
     pol.stop_ids = [-1]
@@ -390,7 +391,7 @@ def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, mo
     before = pol.stats.cached_prompt_tokens
     shared = play()
     saved = pol.stats.cached_prompt_tokens - before
-    monkeypatch.setattr(policy_mod, "MIN_STEM_SAVING", 10**9)  # no stems: each row computes its own
+    monkeypatch.setattr(decoding, "MIN_STEM_SAVING", 10**9)  # no stems: each row computes its own
     before = pol.stats.cached_prompt_tokens
     separate = play()
     assert shared == separate
@@ -398,7 +399,7 @@ def test_shared_stems_decode_exactly_like_separate_rows(tiny_model_dir, impl, mo
 
 
 def test_prefill_passes_give_a_long_row_a_pass_of_its_own():
-    from trace_lib.engine.policy import PASS_OVERHEAD_TOKENS, prefill_cost, prefill_passes
+    from trace_lib.engine.decoding import PASS_OVERHEAD_TOKENS, prefill_cost, prefill_passes
 
     assert prefill_cost([], [], 100) == 0.0
     assert prefill_cost([10, 4], [0, 50], 0) == pytest.approx(PASS_OVERHEAD_TOKENS + 2 * 10 * (1 + 60 / 750))
@@ -415,6 +416,7 @@ def test_prefill_passes_give_a_long_row_a_pass_of_its_own():
 
 
 def test_rows_prefilled_in_separate_passes_decode_like_one_padded_pass(tiny_model_dir, monkeypatch):
+    import trace_lib.engine.decoding as decoding
     import trace_lib.engine.policy as policy_mod
 
     pol = load_policy(tiny_model_dir, dtype="float32")
@@ -446,7 +448,7 @@ def test_rows_prefilled_in_separate_passes_decode_like_one_padded_pass(tiny_mode
 
     split, split_calls, split_cached = play()
     assert split_calls[-3:] == [1, 2, 3]  # the long row alone, the short rows together, then every last token
-    monkeypatch.setattr(policy_mod, "prefill_cost", lambda *a: 0.0)  # one padded pass always looks cheapest
+    monkeypatch.setattr(decoding, "prefill_cost", lambda *a: 0.0)  # one padded pass always looks cheapest
     padded, padded_calls, padded_cached = play()
     assert padded_calls[-1:] == [3] and len(padded_calls) < len(split_calls)
     assert split == padded
@@ -516,9 +518,9 @@ def _turn_by_turn(pol, n_rows, turns_of, keys, max_new_tokens):
 @pytest.mark.parametrize(("impl", "join_share"), [("cascade", 0.0), ("cascade", 0.25), ("cascade", 10**9),
                                                   ("sdpa", 0.0)])
 def test_play_turns_decodes_each_turn_as_turn_by_turn_calls_do(tiny_model_dir, impl, join_share, monkeypatch):
-    import trace_lib.engine.policy as policy_mod
+    import trace_lib.engine.decoding as decoding
 
-    monkeypatch.setattr(policy_mod, "JOIN_SHARE", join_share)
+    monkeypatch.setattr(decoding, "JOIN_SHARE", join_share)
     pol = load_policy(tiny_model_dir, attn_implementation=impl)
     pol.stop_ids = [t for t in range(pol._vocab_size()) if t % 3 == 0]  # turns of many lengths (random weights)
     keys = [("ep", i) for i in range(5)]
@@ -527,7 +529,7 @@ def test_play_turns_decodes_each_turn_as_turn_by_turn_calls_do(tiny_model_dir, i
     prompts, next_turn, record = _turn_script(pol, 5, turns_of)
     before = pol.stats.sequences
     joins = []
-    monkeypatch.setattr(policy_mod, "append_rows", lambda *a: joins.append(a[2].layers[0].keys.shape[0])
+    monkeypatch.setattr(decoding, "append_rows", lambda *a: joins.append(a[2].layers[0].keys.shape[0])
                         or append_rows(*a))
     import time
 
@@ -604,7 +606,7 @@ def test_play_turns_refuses_a_model_without_a_buffered_cache(tiny_model_dir, mon
 def test_play_turns_starts_a_new_episode_in_a_slot_and_defers_one_with_another_prefix(tiny_model_dir):
     """Row 0's slot takes a second episode (new session key) whose system turn differs from the batch's
     shared prefix: it waits for the batch to empty and decodes in a batch of its own, as a fresh call would."""
-    from trace_lib.engine.policy import NextTurn
+    from trace_lib.engine.decoding import NextTurn
 
     pol = load_policy(tiny_model_dir)
     pol.stop_ids = [t for t in range(pol._vocab_size()) if t % 3 == 0]

@@ -136,7 +136,7 @@ def test_policy_generate_asks_the_governor_between_steps(tiny_model_dir, fake_cp
 def test_switching_threads_mid_decoding_keeps_the_tokens_of_smollm2(smollm2_dir, monkeypatch) -> None:
     """The real model in bf16, 8 rows sampled at temperature 1: a thread count switched between every
     decoding step (as the governor may) gives the tokens of a fixed 2 threads."""
-    from trace_lib.engine import policy as policy_module
+    from trace_lib.engine import decoding, policy as policy_module
     from trace_lib.engine.policy import load_policy
     from trace_lib.records import Message
 
@@ -152,9 +152,11 @@ def test_switching_threads_mid_decoding_keeps_the_tokens_of_smollm2(smollm2_dir,
 
     try:
         torch.set_num_threads(2)
-        monkeypatch.setattr(policy_module, "govern_threads", lambda: 2)
+        for module in (policy_module, decoding):  # the calls of each decoding call and of each step
+            monkeypatch.setattr(module, "govern_threads", lambda: 2)
         fixed = [g.text for g in policy.generate(conv, [], temperature=1.0, max_new_tokens=24, seed=5)]
-        monkeypatch.setattr(policy_module, "govern_threads", alternate)
+        for module in (policy_module, decoding):
+            monkeypatch.setattr(module, "govern_threads", alternate)
         switched = [g.text for g in policy.generate(conv, [], temperature=1.0, max_new_tokens=24, seed=5)]
     finally:
         torch.set_num_threads(start)

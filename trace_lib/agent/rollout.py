@@ -239,7 +239,7 @@ def _play_continuously(policy: Any, env_factory: Callable[[], Environment], queu
     """`collect_rollouts` through one `Policy.play_turns` call: the queue refills a slot when its episode ends.
     Queue items are (task, sample), or (task, sample, route) with `routes` (each route's (policy id,
     adapter label) in `route_ids`; each finished episode's route appended to `done_routes`)."""
-    from trace_lib.engine.policy import NextTurn
+    from trace_lib.engine.decoding import NextTurn
 
     def start() -> _Episode:
         task, sample, *route = queue.pop()
