@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+import trace_lib.training.grpo_trainer as grpo_trainer_mod
 import trace_lib.training.trainer as trainer_mod
 from trace_lib.config import load_params
 from trace_lib.training.sources import synthetic_source
@@ -59,7 +60,7 @@ def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path,
                                           "shared_prompt": True, "dtype": "bfloat16", "start_late": start_late,
                                           "groups": groups or params.train.groups})
     batches: list[dict] = []
-    real = trainer_mod.grouped_logps
+    real = grpo_trainer_mod.grouped_logps
 
     def recording(model, input_ids, attention_mask, logits_to_keep, score_mask=None, compute_entropy=False, **kw):
         if torch.is_grad_enabled():
@@ -70,7 +71,7 @@ def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path,
 
     module = tmp / "env.py"
     module.write_text(render_template_module(capability, target_spec(params.env), params.synthesize.difficulty))
-    trainer_mod.grouped_logps = recording
+    grpo_trainer_mod.grouped_logps = recording
     try:
         with SandboxProcess(module, SandboxLimits(timeout_s=30, cpu_s=3600, memory_mb=2048)) as box:
             # the train stage's source: with the reference solution a late start plays
@@ -79,7 +80,7 @@ def record_batches(model_dir: Path, capability: str, iterations: int, tmp: Path,
             trainer_mod.train_adapter_mixture(model_dir, [source], cfg, tmp / "adapter", seed=params.seed,
                                               ledger=RolloutLedger(tmp / "ledger.jsonl"), name="loss_pass")
     finally:
-        trainer_mod.grouped_logps = real
+        grpo_trainer_mod.grouped_logps = real
     return batches
 
 

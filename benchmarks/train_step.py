@@ -68,6 +68,7 @@ from transformers import set_seed
 import trace_lib.engine.packed as packed_mod
 import trace_lib.engine.decoding as decoding
 import trace_lib.training.shared_prompt as shared_prompt_mod
+import trace_lib.training.grpo_trainer as grpo_trainer_mod
 import trace_lib.training.trainer as trainer_mod
 from trace_lib.engine.model import bf16_is_faster, has_bf16_kernels, resolve_model
 from trace_lib.config import load_params
@@ -78,11 +79,11 @@ from trace_lib.synth.templates import render_template_module
 from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import AgentRollout, TrainSource
 from trace_lib.training.shared_prompt import SharedPrefix
+from trace_lib.training.grpo_trainer import rows_in_order
 from trace_lib.training.trainer import (
     default_timing_path,
     read_timing,
     read_train_log,
-    rows_in_order,
     train_adapter_mixture,
 )
 
@@ -122,7 +123,7 @@ class UpdateTokens:
         self.prefix_tokens = 0
 
     def counting(self):
-        inner, ensure, logps = shared_prompt_mod.work_units, SharedPrefix.ensure, trainer_mod.grouped_logps
+        inner, ensure, logps = shared_prompt_mod.work_units, SharedPrefix.ensure, grpo_trainer_mod.grouped_logps
 
         def work_units(spans, *a, **kw):
             units = inner(spans, *a, **kw)
@@ -149,10 +150,10 @@ class UpdateTokens:
             return out
 
         shared_prompt_mod.work_units, SharedPrefix.ensure = work_units, counted_ensure
-        trainer_mod.grouped_logps = counted_logps
+        grpo_trainer_mod.grouped_logps = counted_logps
 
         def restore() -> None:
-            shared_prompt_mod.work_units, SharedPrefix.ensure, trainer_mod.grouped_logps = inner, ensure, logps
+            shared_prompt_mod.work_units, SharedPrefix.ensure, grpo_trainer_mod.grouped_logps = inner, ensure, logps
 
         return restore
 
@@ -288,10 +289,10 @@ def main() -> None:
                     counter = UpdateTokens()
                     restore = counter.counting()
                     if row in SHUFFLED:  # TRL's own split: the rows shuffled, whatever the number of passes
-                        trainer_mod.rows_in_order = nullcontext
-                    min_prefix = trainer_mod.MIN_PREFIX_TOKENS
+                        grpo_trainer_mod.rows_in_order = nullcontext
+                    min_prefix = grpo_trainer_mod.MIN_PREFIX_TOKENS
                     if row in NO_PREFIX:
-                        trainer_mod.MIN_PREFIX_TOKENS = 10**9
+                        grpo_trainer_mod.MIN_PREFIX_TOKENS = 10**9
                     AgentRollout.fold_lora = row not in UNFOLDED
                     packing_available = packed_mod.packing_available
                     if row in UNPACKED:
@@ -303,8 +304,8 @@ def main() -> None:
                                                          name=row)
                     finally:
                         restore()
-                        trainer_mod.rows_in_order = rows_in_order
-                        trainer_mod.MIN_PREFIX_TOKENS = min_prefix
+                        grpo_trainer_mod.rows_in_order = rows_in_order
+                        grpo_trainer_mod.MIN_PREFIX_TOKENS = min_prefix
                         AgentRollout.fold_lora = True
                         packed_mod.packing_available = packing_available
                     wall = time.perf_counter() - t0

@@ -40,8 +40,8 @@ from trace_lib.training.grpo import (
 )
 from trace_lib.training.hints import HINT_CLOSE, HINT_OPEN, reference_steps
 from trace_lib.training.rewards import make_reward
+from trace_lib.training.grpo_trainer import AgentGRPOTrainer
 from trace_lib.training.trainer import (
-    AgentGRPOTrainer,
     group_sources,
     load_trainable,
     lora_config,
@@ -864,7 +864,7 @@ def test_the_shared_prompt_pass_scores_at_the_sampling_temperature_as_trls_own(t
 def test_prompt_grad_false_reaches_the_loss_pass(tiny_model_dir, tmp_path, monkeypatch):
     """`train.prompt_grad: false` is what the trainer's loss pass runs with (its effect on the gradient:
     tests/training/test_shared_prompt.py)."""
-    import trace_lib.training.trainer as train_mod
+    import trace_lib.training.grpo_trainer as train_mod
 
     seen: list = []
     real = train_mod.grouped_logps
@@ -909,7 +909,7 @@ def test_several_passes_with_the_common_start_run_once_give_the_one_pass_gradien
     """An iteration in four passes, the rows' common start computed once for all of them (`SharedPrefix`), reaches
     the same gradient before clipping as the iteration in one pass (the same episodes: sampling comes first)."""
     import trace_lib.training.shared_prompt as shared_mod
-    import trace_lib.training.trainer as train_mod
+    import trace_lib.training.grpo_trainer as train_mod
 
     monkeypatch.setattr(train_mod, "MIN_PREFIX_TOKENS", 1)  # the toy environment's prompts are short
     grads: dict[int, dict[str, torch.Tensor]] = {}
@@ -956,7 +956,7 @@ def test_mixture_training_runs(tiny_model_dir, tmp_path):
 
 # --- cross-skill distillation -------------------------------------------------------------------------
 def test_distill_advantages_are_the_teacher_minus_student_log_probs_on_trained_tokens():
-    from trace_lib.training.trainer import distill_advantages
+    from trace_lib.training.grpo_trainer import distill_advantages
 
     student = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 0.0]])
     teacher = torch.tensor([[-0.5, -2.5, -0.5], [-1.0, -0.1, -4.0]])
@@ -984,7 +984,7 @@ def _lora():
 def test_distillation_scores_each_episode_with_the_teacher_of_its_source(tiny_model_dir, tmp_path, monkeypatch):
     """Rows of source `a` get teacher `a`'s log-probs, rows of `b` teacher `b`'s (a stand-in log-prob pass
     returns a constant per model and adapter), and every episode is trained though all rewards are equal."""
-    import trace_lib.training.trainer as train_mod
+    import trace_lib.training.grpo_trainer as train_mod
 
     teachers = {"a": _save_lora(tiny_model_dir, tmp_path / "ta", 1),
                 "b": _save_lora(tiny_model_dir, tmp_path / "tb", 2)}
