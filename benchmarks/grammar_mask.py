@@ -43,8 +43,8 @@ def way(name: str, policy=None, limit: int = grammar.MAX_TEXT_CHARS):
     yields the processor's `max_text_chars`. Compiled grammars are cached per way."""
     if name not in ("bounded", "processor"):
         raise ValueError(f"unknown way {name!r} (bounded, processor)")
-    saved = grammar.TEXT_EBNF, dict(grammar._COMPILED), dict(policy.grammar_options) if policy else None
-    grammar._COMPILED.clear()
+    saved = grammar.TEXT_EBNF, dict(grammar.COMPILED), dict(policy.grammar_options) if policy else None
+    grammar.COMPILED.clear()
     bound = limit
     if name == "bounded":  # the old rule; the processor's bound past anything a turn can reach
         grammar.TEXT_EBNF = BOUNDED.format(rest=limit - 1)
@@ -55,8 +55,8 @@ def way(name: str, policy=None, limit: int = grammar.MAX_TEXT_CHARS):
         yield bound
     finally:
         grammar.TEXT_EBNF = saved[0]
-        grammar._COMPILED.clear()
-        grammar._COMPILED.update(saved[1])
+        grammar.COMPILED.clear()
+        grammar.COMPILED.update(saved[1])
         if policy is not None:
             policy.grammar_options = saved[2]
 

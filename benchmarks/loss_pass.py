@@ -48,7 +48,7 @@ from trace_lib.synth.templates import render_template_module
 from trace_lib.budget import RolloutLedger
 from transformers.cache_utils import DynamicCache
 
-from trace_lib.training.shared_prompt import (_expand, _low_precision, before_breaks, decoder_and_head, grouped_logps,
+from trace_lib.training.shared_prompt import (expand_cache, low_precision, before_breaks, decoder_and_head, grouped_logps,
                                              prompt_breaks, scored_sequences, shared_spans, work_units)
 
 
@@ -126,14 +126,14 @@ def padded_groups_logps(
     if not groups:
         return logps, entropies
     unpadded = [prompts[rows[0]][p_mask[rows[0]].bool()] for rows in groups]
-    with _low_precision(model):
+    with low_precision(model):
         shared_len = _common_length(unpadded) if len(groups) > 1 else 0
         shared = DynamicCache()
         if shared_len:
             decoder(input_ids=unpadded[0][None, :shared_len], past_key_values=shared, use_cache=True)
         for rows, prompt in zip(groups, unpadded):
             k, plen = len(rows), prompt.shape[0]
-            cache = _expand(shared, 1) if shared_len else DynamicCache()
+            cache = expand_cache(shared, 1) if shared_len else DynamicCache()
             hidden_p = decoder(input_ids=prompt[None, shared_len:], past_key_values=cache, use_cache=True,
                                position_ids=torch.arange(shared_len, plen, device=prompt.device)[None],
                                ).last_hidden_state
@@ -141,7 +141,7 @@ def padded_groups_logps(
             mask = torch.cat([c_mask.new_ones(k, plen), c_mask[rows, :length]], dim=1)
             positions = torch.arange(plen, plen + length, device=input_ids.device)[None].expand(k, -1)
             hidden_c = decoder(input_ids=completions[rows, :length], attention_mask=mask, position_ids=positions,
-                               past_key_values=_expand(cache, k), use_cache=True).last_hidden_state
+                               past_key_values=expand_cache(cache, k), use_cache=True).last_hidden_state
             # the hidden state before token t predicts it: the prompt's last one for t = 0
             before = torch.cat([hidden_p[:, -1:].expand(k, -1, -1), hidden_c[:, :-1]], dim=1)
             where = score[rows, :length]

@@ -29,14 +29,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trace_lib.config import EnvConfig  # noqa: E402
-from trace_lib.envs import make_env, make_tasks, tau2  # noqa: E402
+from trace_lib.envs import make_env, make_tasks  # noqa: E402
+from trace_lib.envs.tau2 import env as tau2  # noqa: E402
 from trace_lib.envs.tau2.env import replay_gold  # noqa: E402
 from trace_lib.records import Message  # noqa: E402
 
 
 def private_tau2_env(domain: str, solo_mode: bool = False):
     """The constructor before copy-on-write: a private unpickled database for every environment."""
-    return tau2._module(domain).get_environment(db=pickle.loads(tau2.pristine_db(domain).pickled), solo_mode=solo_mode)
+    return tau2.domain_module(domain).get_environment(db=pickle.loads(tau2.pristine_db(domain).pickled), solo_mode=solo_mode)
 
 
 CONSTRUCTORS: dict[str, Callable] = {"private": private_tau2_env, "shared": tau2.fresh_tau2_env}

@@ -49,7 +49,8 @@ MAX_STRING_CHARS = 256
 """Default `maxLength` for string arguments whose schema sets none."""
 
 _COMPILERS: dict[int, tuple[Any, Any, "TokenChars"]] = {}
-_COMPILED: dict[tuple, Any] = {}
+COMPILED: dict[tuple, Any] = {}
+"""Compiled grammars by (tokenizer, vocabulary, tools, options), at most 16, the oldest dropped first."""
 
 
 def _bounded(schema: Any, max_string_chars: int) -> Any:
@@ -140,11 +141,11 @@ def compile_tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], vocab_size
     """Compiled grammar for `tools` (cached per tokenizer, tools and options; compiling takes ~1 s)."""
     vocab_size = vocab_size or len(tokenizer)
     key = (id(tokenizer), vocab_size, json.dumps(normalize_tools(tools), sort_keys=True), tuple(sorted(options.items())))
-    if key not in _COMPILED:
-        if len(_COMPILED) >= 16:
-            _COMPILED.pop(next(iter(_COMPILED)))
-        _COMPILED[key] = _compiler(tokenizer, vocab_size).compile_grammar(tool_turn_grammar(tools, **options))
-    return _COMPILED[key]
+    if key not in COMPILED:
+        if len(COMPILED) >= 16:
+            COMPILED.pop(next(iter(COMPILED)))
+        COMPILED[key] = _compiler(tokenizer, vocab_size).compile_grammar(tool_turn_grammar(tools, **options))
+    return COMPILED[key]
 
 
 @dataclass

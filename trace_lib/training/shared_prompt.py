@@ -137,7 +137,7 @@ def leaf_batches(spans: Sequence[Span], call_cost: int = CALL_COST_TOKENS) -> li
     return batches
 
 
-def _expand(cache: DynamicCache, k: int) -> DynamicCache:
+def expand_cache(cache: DynamicCache, k: int) -> DynamicCache:
     """A cache whose k rows all start with `cache`'s single row (views; gradients flow back)."""
     out = DynamicCache()
     for idx, layer in enumerate(cache.layers):
@@ -145,7 +145,7 @@ def _expand(cache: DynamicCache, k: int) -> DynamicCache:
     return out
 
 
-def _low_precision(model: Any):
+def low_precision(model: Any):
     """bf16 autocast without PEFT's input casting when the base weights are bf16 on CPU.
 
     PEFT keeps LoRA weights in fp32 and casts every LoRA input to fp32, so each adapted layer adds
@@ -332,7 +332,7 @@ def grouped_logps(
                 and root.end >= len(prefix)):
             prefix = None
     at_rows, at_cols, values, ents = [], [], [], []
-    with _low_precision(model):
+    with low_precision(model):
         if prefix is not None:
             prefix.ensure(decoder, input_ids.device)
             prefix.uses += 1
@@ -353,7 +353,7 @@ def grouped_logps(
                 ids[i, :lens[i]] = seqs[m.rows[0]][start:m.end]
             valid = torch.arange(width_u, device=ids.device)[None] < torch.tensor(lens, device=ids.device)[:, None]
             mask = None if min(lens) == width_u else torch.cat([valid.new_ones(b, start), valid], dim=1).long()
-            cache = _expand(caches[parent], b) if parent != -1 else DynamicCache()  # -2: the prefix
+            cache = expand_cache(caches[parent], b) if parent != -1 else DynamicCache()  # -2: the prefix
             positions = torch.arange(start, start + width_u, device=ids.device)[None].expand(b, -1)
             context = breaks is not None and all(before_breaks(m, breaks) for m in members)
             with torch.no_grad() if context else nullcontext():

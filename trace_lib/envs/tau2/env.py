@@ -90,7 +90,8 @@ def domain_of(env_name: str) -> str:
     return domain
 
 
-def _module(domain: str):
+def domain_module(domain: str):
+    """τ²-bench's environment module of `domain` (retail or airline)."""
     if domain == "retail":
         from tau2.domains.retail import environment
     elif domain == "airline":
@@ -136,14 +137,14 @@ class PristineDB:
 @lru_cache(maxsize=None)
 def pristine_db(domain: str) -> PristineDB:
     """Loaded from τ²'s files once per process."""
-    kit = _module(domain).get_environment().tools
+    kit = domain_module(domain).get_environment().tools
     return PristineDB(db=kit.db, hash=kit.get_db_hash(), pickled=pickle.dumps(kit.db, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def pristine_db_intact(domain: str) -> bool:
     """Whether the shared database still hashes as it did when loaded (no environment wrote to it)."""
     shared = pristine_db(domain)
-    return _module(domain).get_environment(db=shared.db).tools.get_db_hash() == shared.hash
+    return domain_module(domain).get_environment(db=shared.db).tools.get_db_hash() == shared.hash
 
 
 class _CopyOnWrite:
@@ -209,7 +210,7 @@ def fresh_tau2_env(domain: str, solo_mode: bool = False):
     """A τ² `Environment` that reads the domain's shared database and writes a private copy of it
     (copy on write; see the module docstring). The evaluator's constructor."""
     shared = pristine_db(domain)
-    env = _module(domain).get_environment(db=shared.db, solo_mode=solo_mode)
+    env = domain_module(domain).get_environment(db=shared.db, solo_mode=solo_mode)
     _CopyOnWrite(env, shared)
     return env
 
@@ -246,7 +247,7 @@ def tau2_tasks(domain: str, split: str) -> tuple[Tau2Task, ...]:
     """τ²'s own task objects for a split of split_tasks.json ('base' is every task)."""
     if split not in SPLITS:
         raise ValueError(f"split: τ² task sets are {list(SPLITS)}, got {split!r}")
-    return tuple(_module(domain).get_tasks(split))
+    return tuple(domain_module(domain).get_tasks(split))
 
 
 def to_task(t2: Tau2Task, domain: str, split: str) -> Task:
