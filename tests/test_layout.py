@@ -251,6 +251,14 @@ def test_training_never_decodes():
     assert not found, "decoding under training/:\n" + "\n".join(found)
 
 
+def test_benchmarks_use_public_names_only():
+    """A benchmark is a user of the library: it imports and touches no `_private` name of `trace_lib`."""
+    found = []
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        found += private_cross_package_uses(path.read_text(encoding="utf-8"), f"benchmarks.{path.stem}")
+    assert not found, "benchmarks use private names:\n" + "\n".join(found)
+
+
 def test_one_run_function_per_stage_with_the_same_signature():
     for stage in STAGES:
         path = module_file(f"trace_lib.stages.{stage}")
