@@ -307,6 +307,20 @@ def test_no_dated_measurement_in_the_library():
     assert not found, "dates in trace_lib (move the measurement to docs/LOG.md):\n" + "\n".join(found)
 
 
+TIMING = re.compile(r"~ ?\d+(\.\d+)? ?(ms|µs|us|s|min)\b|\b\d+(\.\d+)? ?(ms|µs)\b|\d+(\.\d+)?x (faster|slower|longer)\b"
+                    r"|[Mm]easured (on|in)\b|GFLOP")
+"""A timing quoted as a measurement: '~35 ms', '0.23 ms', '1.5x slower', 'measured on', 'GFLOP/s'."""
+
+
+def test_no_timing_in_the_library():
+    """A timing belongs in `benchmarks/README.md` or the log, with its date and machine; the library says what a thing
+    is and why it is so."""
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in sorted(LIB.rglob("*.py"))
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if TIMING.search(line)]
+    assert not found, "timings in trace_lib (move them to benchmarks/README.md or docs/LOG.md):\n" + "\n".join(found)
+    assert TIMING.search("computing takes ~1 s") and TIMING.search("0.23 ms per row") and not TIMING.search("30 s")
+
+
 def test_tests_mirror_the_library():
     """A module's tests lie in the folder of its package (`tests/engine/` for `trace_lib/engine/`), those of the
     top-level modules in `tests/`, and whole-pipeline runs in `tests/e2e/`."""

@@ -47,9 +47,8 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "bfloat16"
     """Weights dtype for inference. 'auto': stored in bfloat16, computed in bfloat16 where that is faster than
     float32 (CUDA; a CPU with oneDNN bf16 kernels and AMX, or AVX-512 bf16 on AMD) and in float32 elsewhere
-    (`engine.model.bf16_is_faster`). On 2 cores SmolLM2's linear layers at 256 rows took 0.23-0.27x fp32's time in
-    bfloat16 with AMX or on a Zen 5 EPYC, 1.53x on an Intel Xeon with AVX-512 bf16 but no AMX, and 6.1x on an
-    AVX2-only EPYC (a reference GEMM; benchmarks/README.md: linear_dtype)."""
+    (`engine.model.bf16_is_faster`): which one is faster depends on the CPU's bf16 units (benchmarks/README.md:
+    linear_dtype)."""
     device: str = "auto"
     """Where trace's own engine runs the model (policy, router, adapter merge): 'auto' (the first CUDA
     device when there is one, else the CPU), 'cpu', 'cuda', 'cuda:1', ..."""
@@ -506,9 +505,8 @@ class TrainConfig(Section):
     costs nearly as much for one row as for eight on a CPU. The same trainings, sampled in other batches:
     their episodes differ from those of one training after another. The trainings run one after another where
     lockstep cannot be: several `processes`, no `continuous_batching`, or the Unsloth backend; a model with
-    sliding-window layers is refused (set it false there). Off by default: the CPU default's whole train stage
-    in lockstep took as long as one training after another (14 min 20 s against 14 min 4 s, other episodes;
-    8.7 GB resident at most; benchmarks/README.md: train_lockstep)."""
+    sliding-window layers is refused (set it false there). Off by default: on the CPU default's train stage it
+    saved no time over one training after another (benchmarks/README.md: train_lockstep)."""
 
     # --- rewards, sources, baselines and the student --------------------------------------------------------
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -632,7 +630,7 @@ class EvaluateConfig(Section):
     every budget point's; the interference matrix's one environment at a time) in one continuously refilled
     batch whose rows run under different weights (`runner.decode_into_memo`, `engine.row_lora`), the routes
     interleaved, instead of one batch per method: faster on a CPU, the same successes (benchmarks/README.md:
-    evaluate_routes.py); the cpu profile turns it on. Off elsewhere: not measured on a GPU."""
+    evaluate_routes.py); the cpu profile turns it on. Off elsewhere: not yet compared on a GPU."""
 
     # --- the methods and GEPA -------------------------------------------------------------------------------
     methods: list[MethodName] = Field(default_factory=lambda: list(METHODS))

@@ -44,8 +44,8 @@ def repair_rwlock(repo: Path) -> str | None:
     path = rwlock_path(repo)
     if not path.exists():
         return None
-    # wait=False: DVC's own few retries (~3 s), as dvc itself does; a guard held longer (a stopped dvc, or a
-    # hard-link claim a killed process left, which never expires) is reported, not waited on forever
+    # wait=False: DVC's own few retries (a few seconds), as dvc itself does; a guard held longer (a stopped dvc,
+    # or a hard-link claim a killed process left, which never expires) is reported, not waited on forever
     guard = make_lock(str(path.parent / RWLOCK_LOCK), tmp_dir=str(path.parent), hardlink_lock=_hardlink_lock(repo),
                       wait=False)
     try:

@@ -37,11 +37,8 @@ MAX_SESSIONS = 256
 PASS_OVERHEAD_TOKENS = 32
 """Fixed cost of one prefill pass (30 layers' operator dispatch), in token-forwards (see `prefill_cost`)."""
 KEYS_PER_TOKEN = 750
-"""Query-key pairs of prefill attention that cost as much as one token-forward of the rest of the model.
-
-Measured on the rollout stage (2 cores, bf16, SmolLM2-135M): a padded pass of 8 rows x 625 new tokens
-over up to 2.7k earlier positions took 11.9 s, ~2.5 s of it in the linear layers (0.5 ms per token)
-and ~9 s in the CPU flash kernel over 13.5M query-key pairs (0.67 us each, all layers)."""
+"""Query-key pairs of prefill attention that cost as much as one token-forward of the rest of the model (from
+the rollout stage's prefill passes on 2 cores, bf16, SmolLM2-135M: docs/archive/2026-11.md)."""
 
 
 class NextTurn(NamedTuple):
@@ -495,8 +492,8 @@ def shared_stems(prompts: Sequence[Sequence[int]], starts: Sequence[int],
     saves sum(end - start_i) - (end - max start) token-forwards, and a group is kept when that is at
     least MIN_STEM_SAVING. Every row keeps at least its last token to compute, and at most
     `max_tail` (default MAX_STEM_TAIL): the tails are computed in a second pass padded to its
-    widest row, where one long tail would make every row pay for its width (measured: a 543-token
-    tail made the second pass cost more than the stems saved). Rows are grouped greedily in sorted
+    widest row, where one long tail would make every row pay for its width (a long tail can make the second
+    pass cost more than the stems save). Rows are grouped greedily in sorted
     order (where rows with long common prefixes are neighbours).
     """
     max_tail = MAX_STEM_TAIL if max_tail is None else max_tail

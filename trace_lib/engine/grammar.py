@@ -22,10 +22,9 @@ batches) with two extra methods, which policy.py calls as its batch changes: `se
 finished rows leave it, `add_rows` when rows starting a new turn join it (continuous batching).
 
 The message's length bound is kept by the processor, not by the grammar: written as a bounded
-repetition (`[^<]{0,1199}`), xgrammar's mask for a message row cost ~8 ms per decoding step on
-average along a 101-token message and ~15 ms by its end, against ~0.04 ms for the processor's
-whole step over `[^<]*` (`benchmarks/grammar_mask.py`). The grammar's message is therefore
-unbounded, and the processor forbids, on each message row, the tokens that would take the message
+repetition (`[^<]{0,1199}`), xgrammar's mask for a message row costs far more per decoding step, and more as
+the message grows, than the processor's whole step over `[^<]*` (`benchmarks/grammar_mask.py`). The grammar's
+message is therefore unbounded, and the processor forbids, on each message row, the tokens that would take the message
 past `max_text_chars` characters (counted as UTF-8 lead bytes, as the grammar counted characters):
 the same tokens the bounded repetition forbade (`tests/engine/test_grammar.py` compares the two masks).
 """
@@ -138,7 +137,7 @@ def _compiler(tokenizer: Any, vocab_size: int):
 
 
 def compile_tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], vocab_size: int | None = None, **options):
-    """Compiled grammar for `tools` (cached per tokenizer, tools and options; compiling takes ~1 s)."""
+    """Compiled grammar for `tools` (cached per tokenizer, tools and options: compiling is slow)."""
     vocab_size = vocab_size or len(tokenizer)
     key = (id(tokenizer), vocab_size, json.dumps(normalize_tools(tools), sort_keys=True), tuple(sorted(options.items())))
     if key not in COMPILED:
@@ -152,7 +151,7 @@ def compile_tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], vocab_size
 class TokenChars:
     """Per token of a vocabulary: the characters it adds to a message (its UTF-8 lead bytes, i.e. every
     byte but continuation bytes; 0 for stop tokens) and whether it opens with '<' (a message cannot, so
-    such a first token starts a tool call). Built once per tokenizer (~0.1 s for SmolLM2's 49k tokens)."""
+    such a first token starts a tool call). Built once per tokenizer."""
 
     chars: list[int]
     opens: list[bool]
@@ -328,9 +327,9 @@ class ToolCallLogitsProcessor(LogitsProcessor):
 
 def mask_threads() -> int:
     """Threads for filling a batch's grammar masks (xgrammar's `BatchGrammarMatcher`): half the cores this
-    process may run on (its affinity), at least one. One on the 2-core CPU, where the masks of real turns
-    are cheap (~1.4 ms a step of 16 rows); on a GPU machine the 64 rows of a step had filled theirs one after
-    another, ~2.5 ms a row, most of such a step (benchmarks/README.md, evaluate_routes.py on a GPU)."""
+    process may run on (its affinity), at least one. One on the 2-core CPU, where the masks of real turns are
+    cheap; on a GPU machine the rows of a step filling theirs one after another were most of the step
+    (benchmarks/README.md, evaluate_routes.py on a GPU)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # no affinity on this platform

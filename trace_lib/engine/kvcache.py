@@ -99,8 +99,8 @@ class BufferedLayer(DynamicLayer):
     the layer stores (and returns) only the positions after it but reports the full length.
 
     Keys are stored transposed, (batch, heads, dim, capacity): the decode step's scores q @ K^T then
-    read a plain strided slice. With keys stored (…, capacity, dim), the bf16 batched product over
-    the sliced view took ~4x longer (1.05 ms vs 0.23 ms for 8 rows x 1.5k positions, 2 cores).
+    read a plain strided slice; with keys stored (…, capacity, dim) the bf16 batched product over the sliced
+    view takes a much slower path.
 
     With `offset` > 0 (the cascade attention) `update` returns the whole buffers, not the filled
     part: a bf16 product over a slice of a buffer (rows `capacity` apart) takes a slow path on the
@@ -270,9 +270,8 @@ def _flash(q, k, v, mask=None, causal=False, scale=None):
 MATMUL_MAX_QUERIES = 8
 """Up to this many query positions per row (decoding), attention is two small matrix products.
 
-The CPU flash kernel is built for long query blocks: for one decoded token per row against a
-masked 1k-token suffix it took 6–8 ms per layer where the plain products take 0.3–0.5 ms
-(`benchmarks/rollout_throughput.py`, 2 cores); for a prefill block of 300 queries it wins ~3x."""
+The CPU flash kernel is built for long query blocks: for one decoded token per row it is many times slower than
+the plain products, for a prefill block of hundreds of queries it wins (`benchmarks/rollout_throughput.py`)."""
 
 
 def _matmul_attention(q, k, v, mask=None, scale=None):
@@ -291,7 +290,7 @@ def _matmul_attention(q, k, v, mask=None, scale=None):
         keep = mask.expand(b, 1, lq, -1)[:, :, None].expand(b, 1, rep, lq, -1).reshape(b, 1, rep * lq, -1)
         scores.masked_fill_(~keep, float("-inf"))
     # softmax by hand, normalised after the product: one pass over the scores fewer than logsumexp and
-    # then exp(scores - lse) (measured: logsumexp was 30% of a decoding step's attention)
+    # then exp(scores - lse), which cost a large share of a decoding step's attention
     top = scores.amax(dim=-1, keepdim=True).clamp_(min=-1e30)  # a fully masked row: finite, its sum 0
     weights = scores.sub_(top).exp_()
     total = weights.sum(dim=-1, keepdim=True)
@@ -305,7 +304,7 @@ def _matmul_attention(q, k, v, mask=None, scale=None):
 
 
 SPLIT_OVERHEAD_KEYS = 2048
-"""What computing one row's early history apart costs, in keys x rows of the batched product (~0.1 ms)."""
+"""What computing one row's early history apart costs, in keys x rows of the batched product."""
 
 WHOLE_READ_COST = 0.5
 """Cost of a key of one row when the product reads the whole key buffer, per key of a slice of it.
@@ -333,9 +332,8 @@ def _ragged_matmul_attention(q, k, v, mask=None, scale=None):
     """`_matmul_attention` over a batch whose rows hold histories of very different lengths.
 
     A row's keys sit at the end of the buffer, after padding up to the longest row's history, and a
-    decoding step reads every row's padded keys: with one episode 4.8k positions long and seven at
-    1k, the step's attention took 3.5 ms per layer against 0.6 ms with all eight at 1k (2 cores,
-    bf16). Here the keys from `history_split`'s column on are read for all rows at once, the earlier
+    decoding step reads every row's padded keys, so one long episode makes every row pay for its length.
+    Here the keys from `history_split`'s column on are read for all rows at once, the earlier
     keys only by the rows that have any, one row at a time, and the parts are merged by their
     log-sum-exp (exact up to float rounding, as the prefix merge).
     """
@@ -376,8 +374,8 @@ def _prefix_attention(query, pk, pv, scaling, few):
 def _routed_prefix_attention(query, pk, pv, rows: RowRoutes, scaling, few, layer_idx: int = 0):
     """`_prefix_attention` where each route has its own prefix (pk, pv: (routes, kv_heads, P, dim)): the rows
     laid out route by route (`RowRoutes.gather`), one batched product over the routes present, the rows picked
-    back (`RowRoutes.slot`). One product instead of one per route: at 7 routes, looping cost ~0.4 ms a route
-    and layer at decoding, mostly fixed costs."""
+    back (`RowRoutes.slot`). One product instead of one per route: a loop over the routes pays each product's
+    fixed cost once per route and layer."""
     b, h, lq, d = query.shape
     hkv = pk.shape[1]
     rep, m = h // hkv, rows.width

@@ -246,10 +246,8 @@ def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
 def bf16_is_faster(device: Any) -> bool:
     """Whether computing in bf16 is faster than in fp32 on `device`. On a GPU: where it supports bf16. On a CPU
     it takes bf16 kernels (`has_bf16_kernels`) and a unit that runs them fast: AMX on Intel, or AVX-512 bf16 on
-    AMD. Measured on 2-core machines (benchmarks/README.md: linear_dtype), SmolLM2's linear layers at 256 rows
-    took 0.27x fp32's time in bf16 on an Intel Xeon with AMX and 0.23x on a Zen 5 EPYC, but 1.53x on an Intel
-    Xeon that has AVX-512 bf16 without AMX (~1x at 8 and 16 rows), where oneDNN's bf16 products ran at ~165
-    GFLOP/s against fp32's ~255."""
+    AMD; an Intel Xeon with AVX-512 bf16 but no AMX computes oneDNN's bf16 products slower than fp32's
+    (benchmarks/README.md: linear_dtype)."""
     import torch
 
     if not has_bf16_kernels(device):

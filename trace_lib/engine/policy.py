@@ -21,7 +21,7 @@ chosen adapter or none).
 * shared stems: rows whose prompts repeat one another beyond what they have cached (the K
   episodes of a GRPO group after the same first tool call, which returned the same long result)
   have that common stretch computed once, in a batch of its own, and every row of the group starts
-  from its KV states (`shared_stems`); measured in `benchmarks/train_step.py`;
+  from its KV states (`shared_stems`; `benchmarks/train_step.py`);
 * prefill passes of similar rows: a row's new tokens (a 600-token tool result, say) are computed in
   a pass with rows of similar width and history (`prefill_passes`), not padded into one pass with
   the whole batch, where every row would pay for the widest row's tokens and the longest history;
@@ -409,7 +409,7 @@ def load_policy(
     present, else the CPU), or any torch device name. `tool_format`: how prompts list the tools
     (chat.TOOL_FORMATS); None: the one the prepared folder's model.json records (`model.tool_format`).
     `packed`: bf16 linear layers on the CPU compute with their weights packed for oneDNN once
-    (engine/packed.py) wherever no gradient is recorded; the same outputs, ~2x faster products at decoding shapes.
+    (engine/packed.py) wherever no gradient is recorded; the same outputs, faster products at decoding shapes.
     """
     set_threads(threads)
     load, base_id = resolve_model_path(model_dir)

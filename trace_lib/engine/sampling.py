@@ -39,10 +39,9 @@ def sample_tokens(logits: torch.Tensor, temperature: float | torch.Tensor, top_p
 
     With CPU generators the probabilities are brought to the CPU for the draw (`torch.multinomial`) and
     the tokens go back to the logits' device. With generators of the logits' own device (a GPU), the draw
-    stays there (`exponential_draw`). Measured on an H100 with 16 CPU threads, the CPU draw cost 1.5 ms
-    per row (49k exponentials, a serial kernel), most of a batch-64 decoding step; on the GPU it is one
-    small kernel per row. A GPU's draws differ from the CPU's for the same seed (and may differ between
-    GPU models); greedy decoding does not draw."""
+    stays there (`exponential_draw`): on a GPU machine the CPU draw (a serial kernel over the vocabulary per row)
+    was most of a decoding step, where on the GPU it is one small kernel per row. A GPU's draws differ from the
+    CPU's for the same seed (and may differ between GPU models); greedy decoding does not draw."""
     per_row = isinstance(temperature, torch.Tensor)
     if per_row and not bool((temperature > 0).all()):
         raise ValueError("temperatures per row must all be above 0 (greedy decoding is one temperature, 0)")

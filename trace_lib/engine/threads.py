@@ -4,10 +4,9 @@ Reads /proc/stat and /proc/self/stat (Linux); elsewhere nothing changes. Writes 
 
 torch's CPU build runs its threads with GNU OpenMP, whose threads spin while they wait for each other
 at the end of every operator. When other work shares the cores, a spinning thread takes the core its
-descheduled partner needs: decoding at 2 threads fell to 0.05-0.35x of its idle speed beside one or
-two busy processes, below 1 thread (0.6-1.2x), while on an idle machine 2 threads are ~1.35x faster
-than 1 (benchmarks/threads_under_load.py). Making waiting threads sleep (`OMP_WAIT_POLICY=PASSIVE`)
-also avoids the collapse but costs 20-40% on an idle machine, for every run.
+descheduled partner needs: beside busy processes decoding at 2 threads falls below its speed at 1 thread,
+while on an idle machine 2 threads are faster than 1 (benchmarks/threads_under_load.py). Making waiting
+threads sleep (`OMP_WAIT_POLICY=PASSIVE`) also avoids the collapse but slows every run on an idle machine.
 
 So decoding keeps torch's thread count while the other processes leave the cores free, and drops to
 as many threads as there are free cores when they do not, re-checked about once a second. The thread

@@ -8,8 +8,8 @@ Why a forked process and not a thread or an alarm signal: a tool can stall insid
 nothing in the same process can interrupt (τ²'s `calculate` runs `eval` on the agent's expression,
 and `9**9**9**9` is a single big-integer power); only a process can be stopped from outside. So the
 call first runs in a forked copy of this process (the same state, copy-on-write, nothing to
-serialize; ~35 ms with the model loaded). If the copy answers within the limit, the call is run again
-here, so whatever it changes lands in this process (tools are deterministic functions of the state,
+serialize; a fork with the model loaded is cheap next to a turn). If the copy answers within the limit, the call
+is run again here, so whatever it changes lands in this process (tools are deterministic functions of the state,
 so the second run is the first one again and cannot stall; a tool's own work is microseconds next
 to the fork). Every call is run again, not only those of tools marked `write`: the replay does not
 depend on the read/write marks being right (τ²'s shared database does: `envs.tau2`). A copy that

@@ -38,7 +38,7 @@ def _check_target(target: dict[str, Any]) -> tuple[str, str]:
 
 @lru_cache(maxsize=None)
 def _specs(name: str, tools: str) -> tuple:
-    # Cached: building τ²'s tool objects parses every docstring (~35 ms), and a world is made per episode.
+    # Cached: building τ²'s tool objects parses every docstring, and a world is made per episode.
     if name == "phone":
         from trace_lib.envs.phone.world import phone_tool_specs
 
@@ -122,7 +122,7 @@ def gold_db_hash(target: dict[str, Any], gold_actions: list[dict[str, Any]]) -> 
 
 
 def same_db(a: TargetWorld, b: TargetWorld) -> bool:
-    """Whether two worlds' databases are equal, as equal `db_hash`es would say, but ~30x faster:
+    """Whether two worlds' databases are equal, as equal `db_hash`es would say, but much faster:
     rows neither world wrote are the shared pristine rows, so only the written ones are compared."""
     rows = a._session.owned | b._session.owned
     return all(getattr(a.db, table)[key] == getattr(b.db, table)[key] for table, key in rows)

@@ -29,9 +29,9 @@ synthesized environment's `solve(task)`, a target task's gold actions then its r
 the environment and its scripted user from the start the group's episodes take (`play_reference`). Each step's tokens
 are the template's rendering of that message (`reference_turn_ids`), the tokens the policy emits when it samples the
 same message, and go through the sampled turns' path (`agent.episode.apply_turn`: loss mask, lookup-only filter,
-result cuts). Its reward is the environment's own; a reference short of full reward is skipped, counted (`reference_skipped`), and its
-slot sampled. With `reference_when: all_failed` only groups whose sampled episodes all failed get references, the
-other groups' reference slots are sampled in a second round. The off-policy tokens need no ratio of their own: with
+result cuts). Its reward is the environment's own; a reference short of full reward is skipped, counted
+(`reference_skipped`), and its slot sampled. With `reference_when: all_failed` only groups whose sampled episodes
+all failed get references, the other groups' reference slots are sampled in a second round. The off-policy tokens need no ratio of their own: with
 one optimizer step per batch TRL's old log-probs are the current policy's, detached, so every token's ratio is 1
 and clipping never acts; a reference token's gradient is its group's advantage times ∇log π, an advantage-weighted
 cross-entropy. LUFFY's shaping f(π) = π/(π+γ) exists to lift the vanishing weight π of low-probability tokens under a
@@ -359,7 +359,7 @@ class AgentRollout:
     fold_lora: bool = True
     """Sample with the adapter being trained folded into the base weights (`engine.compose.merged_adapters`: W + BA,
     the adapter layers off, the base weights restored bit for bit afterwards) instead of through PEFT's LoRA layers,
-    whose ~210 small extra products per decoding step cost ~30% of a step at 16 rows on 2 cores
+    whose many small extra products per decoding step are a large share of a step on a CPU
     (benchmarks/README.md: routed_lora_step, train_step). The trainer turns it off for Unsloth, whose fused LoRA
     kernels do not read PEFT's layer switches. In bf16 the folded weights round W + BA once, so the sampled tokens
     can differ from the unfolded path's in the last bits of a logit."""

@@ -60,7 +60,7 @@ class AgentGRPOTrainer(GRPOTrainer):
     `shared_prompt`) with every stretch of tokens several rows share computed once (training/shared_prompt.py).
 
     TRL keeps zero-advantage (and fully masked) rows in the batch; they contribute exactly
-    nothing, and on CPU they were most of an iteration (~70 s per 2.5k-token episode).
+    nothing, yet cost a whole forward and backward pass each, on CPU most of an iteration.
     """
 
     shared_prompt: bool = False

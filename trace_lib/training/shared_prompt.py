@@ -107,9 +107,8 @@ def before_breaks(span: Span, breaks: Sequence[int]) -> bool:
 
 
 CALL_COST_TOKENS = 128
-"""Padding (token positions) worth one decoder call fewer in the loss pass. A call's fixed cost is ~0.17 s
-forward on 2 cores (8 tokens after a 2.2k-token context; ~0.9 ms per further token, SmolLM2 with LoRA on 7
-modules); running each episode's own part as its own call was 6% slower than padding them into one batch
+"""Padding (token positions) worth one decoder call fewer in the loss pass: a call's fixed cost is that of
+many tokens, so rows whose own parts differ little in width are padded into one call rather than run apart
 (`benchmarks/loss_pass.py`)."""
 
 

@@ -28,7 +28,7 @@ Speed: each domain's database is loaded once per process and shared, copy on wri
 environment built here (`fresh_tau2_env`: each episode and each of the evaluator's two replays).
 An environment reads the shared database until its first call that may write (any tool τ² does not
 mark READ, a database update, an environment function); that call gets it a private copy first
-(unpickled, ~0.1-0.4 s). The hash of the untouched database is computed once, so an episode that
+(unpickled). The hash of the untouched database is computed once, so an episode that
 only reads is scored without copying or hashing the database.
 """
 
@@ -106,8 +106,8 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a block that builds and drops whole databases.
 
     A database copy is ~10^5 tracked objects (pydantic models, their dicts and lists), so building
-    one triggers full collections that walk everything alive, ~0.15 s each on a 2-core EPYC: half
-    of the scoring time of a gold replay before this (`benchmarks/README.md`, tau2_scoring.py).
+    one triggers full collections that walk everything alive, which were half of the scoring time of a gold
+    replay before this (`benchmarks/README.md`, tau2_scoring.py).
     Nothing is kept longer for it: an environment and its copy hold no cycles (`_CopyOnWrite`) and go
     when the last reference does; any cycles left wait for the first collection after the block.
     """
