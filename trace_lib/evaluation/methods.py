@@ -102,6 +102,11 @@ class MethodSpecs(list):
                       + (f" (and set {trained})" if trained else "") + (f"; {reason}" if reason else ""))
         self.append(MethodSpec(method, key, label, reason, routing_for, budget_n, source, prompts))
 
+    @staticmethod
+    def trace_budget(total: int) -> dict[str, Any]:
+        """The budget of a row that runs on TRACE's adapters: TRACE's whole total."""
+        return {"budget_n": total, "source": "TRACE adapters"}
+
     def add_baselines(self, baselines: Mapping[str, Path], root: Path) -> None:
         """The baselines trained at TRACE's budget, each with its adapter's budget or where its adapter is missing."""
         paths = Paths(root)
@@ -115,7 +120,7 @@ class MethodSpecs(list):
 
     def add_merges_and_singles(self, names: Sequence[str], no_caps: str | None, budget: Mapping[str, Any]) -> None:
         """The linear merge of the capability adapters, and each adapter alone on every task."""
-        trace = {"budget_n": budget["total"], "source": "TRACE adapters"}
+        trace = self.trace_budget(budget["total"])
         self.add("linear_merge", "linear_merge", "linear merge (α = 1/n)",
                  no_caps or ("one capability adapter: its merge is the single adapter" if len(names) < 2 else None),
                  lambda e, ts: {n: 1 / len(names) for n in names}, **trace)
@@ -130,7 +135,7 @@ class MethodSpecs(list):
                    budget_total: int, labelled: Callable[[], Mapping[str, str | None]]) -> None:
         """Oracle routing (`evaluate.oracle`): by the tasks' capability tags, or by the labels oracle (`labelled`,
         called once the base model's episodes are there)."""
-        trace = {"budget_n": budget_total, "source": "TRACE adapters"}
+        trace = self.trace_budget(budget_total)
         if oracle == "tags":
             self.add("oracle_route", "oracle_route", "oracle routing (task tags)",
                      no_caps or (None if any(t.capability_tags for t in tasks) else "the tasks carry no capability tags"),
@@ -160,7 +165,7 @@ class MethodSpecs(list):
             key = f"trace_{mode}"
             off = None if route_mode in (mode, "both") else f"evaluate.route_mode is {route_mode!r}"
             self.add("trace", key, f"TRACE ({mode.replace('_', '-')})", no_caps or off,
-                     lambda e, ts, k=key: decisions[k], budget_n=budget_total, source="TRACE adapters")
+                     lambda e, ts, k=key: decisions[k], **self.trace_budget(budget_total))
 
     def plans(self, oracle: str) -> list[RoutingFor]:
         """The rows whose greedy episodes can be decoded together up front: those that run on the shared memo (no
