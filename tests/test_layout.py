@@ -330,6 +330,20 @@ def test_tests_mirror_the_library():
     assert folders <= packages | {"e2e"}, folders - packages
 
 
+def test_test_files_share_helpers_through_helper_modules_only():
+    """A test file imports no other test file (not even inside a function or a script it writes): what tests
+    share lies in a helper module at the top of `tests/` or in a `conftest.py`, the one folder on pytest's path."""
+    import tomllib
+
+    tests = Path(__file__).resolve().parent
+    found = [f"{path.relative_to(tests)}:{i}" for path in sorted(tests.rglob("*.py"))
+             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.match(r"\s*(from test_\w+ import|import test_\w+)", line)]
+    assert not found, found
+    pytest_cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert pytest_cfg["pythonpath"] == ["tests"]
+
+
 def test_each_environment_domain_is_one_folder_of_the_same_shape():
     """A domain is `envs/<name>/`: an `__init__.py` with the registry's entry points, `env.py`, a README; the
     registry names domain folders only."""

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
-from local_http import LocalHTTP
+from fake_anthropic import KEY, MSGS, FakeMessagesAPI, anthropic_client, error_reply, text_reply
 
 from trace_lib.llm import (
     LLMClient,
@@ -21,79 +19,12 @@ from trace_lib.llm import (
     schema_errors,
 )
 
-KEY = "sk-test-secret-key-0123456789"
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 
 
-def _message(text: str) -> dict:
-    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
-            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": 11, "output_tokens": 7, "cache_creation_input_tokens": 100,
-                      "cache_read_input_tokens": 0}}
-
-
-class FakeMessagesAPI(LocalHTTP):
-    """A scripted /v1/messages endpoint: each request pops the next (status, body[, headers]) from
-    `script` (the last entry repeats). A bytes body is sent as is; `headers` override the defaults
-    (None drops one), so a `content-length` above the body's size sends a body cut short."""
-
-    def __init__(self, script: list[tuple], max_requests: int = 20, delays: list[float] = ()) -> None:
-        self.script = list(script)
-        self.delays = list(delays)
-        self.requests: list[dict] = []
-        self.headers: list[dict] = []
-        self.times: list[float] = []
-        self.max_requests = max_requests
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server naming)
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                api.times.append(time.monotonic())
-                api.requests.append(body)
-                api.headers.append({k.lower(): v for k, v in self.headers.items()})
-                if api.delays:
-                    time.sleep(api.delays.pop(0))
-                if len(api.requests) > api.max_requests or not api.script:
-                    entry = (500, {"type": "error", "error": {"type": "api_error", "message": "script empty"}})
-                else:
-                    entry = api.script[0] if len(api.script) == 1 else api.script.pop(0)
-                status, payload, extra = (*entry, {})[:3]
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                # retry-after-ms keeps the SDK's backoff short in tests
-                headers = {"content-type": "application/json", "content-length": str(len(data)),
-                           "retry-after-ms": "5", **extra}
-                self.send_response(status)
-                for name, value in headers.items():
-                    if value is not None:
-                        self.send_header(name, value)
-                try:
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up on this request (timeout test)
-
-            def log_message(self, *args):
-                pass
-
-        super().__init__(Handler)
-
-
-def _error(status: int, kind: str) -> tuple[int, dict]:
-    return status, {"type": "error", "error": {"type": kind, "message": f"fake {kind}"}}
-
-
-def _client(tmp_path: Path, url: str, max_retries: int = 2) -> LLMClient:
-    return LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
-                     base_url=url, api_key=KEY, max_retries=max_retries, timeout=10)
-
-
-MSGS = [{"role": "user", "content": "What is 6 x 7?"}]
-
-
 def test_success_uses_cached_system_block_and_records_ledger(tmp_path):
-    with FakeMessagesAPI([(200, _message("42"))]) as api:
-        reply = _client(tmp_path, api.url).complete("You are terse.", MSGS, max_tokens=16, stage="discover")
+    with FakeMessagesAPI([(200, text_reply("42"))]) as api:
+        reply = anthropic_client(tmp_path, api.url).complete("You are terse.", MSGS, max_tokens=16, stage="discover")
     assert (reply.text, reply.input_tokens, reply.output_tokens, reply.cached) == ("42", 11, 7, False)
     body = api.requests[0]
     assert body["system"] == [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}]
@@ -107,13 +38,13 @@ def test_success_uses_cached_system_block_and_records_ledger(tmp_path):
 
 
 def test_429_then_success_retries(tmp_path):
-    with FakeMessagesAPI([_error(429, "rate_limit_error"), (200, _message("ok"))]) as api:
-        reply = _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8)
+    with FakeMessagesAPI([error_reply(429, "rate_limit_error"), (200, text_reply("ok"))]) as api:
+        reply = anthropic_client(tmp_path, api.url).complete("s", MSGS, max_tokens=8)
     assert reply.text == "ok" and len(api.requests) == 2
 
 
 def test_timeout_is_retried(tmp_path):
-    with FakeMessagesAPI([(200, _message("late but fine"))], delays=[1.0]) as api:
+    with FakeMessagesAPI([(200, text_reply("late but fine"))], delays=[1.0]) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", base_url=api.url, api_key=KEY,
                            max_retries=1, timeout=0.3)
         assert client.complete("s", MSGS, max_tokens=8).text == "late but fine"
@@ -121,17 +52,17 @@ def test_timeout_is_retried(tmp_path):
 
 
 def test_500_forever_gives_clear_error_after_bounded_retries(tmp_path):
-    with FakeMessagesAPI([_error(500, "api_error")]) as api:
+    with FakeMessagesAPI([error_reply(500, "api_error")]) as api:
         with pytest.raises(LLMError, match=r"HTTP 500 after 2 retries") as info:
-            _client(tmp_path, api.url, max_retries=2).complete("s", MSGS, max_tokens=8)
+            anthropic_client(tmp_path, api.url, max_retries=2).complete("s", MSGS, max_tokens=8)
     assert len(api.requests) == 3
     assert KEY not in str(info.value)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
 
 
 def test_malformed_json_is_reasked_once(tmp_path):
-    with FakeMessagesAPI([(200, _message("sure! {answer: 42")), (200, _message('```json\n{"answer": 42}\n```'))]) as api:
-        value = _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32)
+    with FakeMessagesAPI([(200, text_reply("sure! {answer: 42")), (200, text_reply('```json\n{"answer": 42}\n```'))]) as api:
+        value = anthropic_client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32)
     assert value == {"answer": 42} and len(api.requests) == 2
     reask = api.requests[1]["messages"]
     assert reask[1] == {"role": "assistant", "content": "sure! {answer: 42"}
@@ -139,19 +70,19 @@ def test_malformed_json_is_reasked_once(tmp_path):
 
 
 def test_schema_mismatch_twice_is_a_clear_error(tmp_path):
-    with FakeMessagesAPI([(200, _message('{"answer": "forty-two"}'))]) as api:
+    with FakeMessagesAPI([(200, text_reply('{"answer": "forty-two"}'))]) as api:
         with pytest.raises(LLMError, match=r"does not match the schema at answer: expected integer, got str.*after one re-ask"):
-            _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32)
+            anthropic_client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32)
     assert len(api.requests) == 2
 
 
 def test_cache_hit_sends_zero_requests_and_same_bytes(tmp_path):
-    with FakeMessagesAPI([(200, _message('{"answer": 42}'))]) as api:
-        first = _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
+    with FakeMessagesAPI([(200, text_reply('{"answer": 42}'))]) as api:
+        first = anthropic_client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
     cache_files = sorted((tmp_path / "cache").rglob("*.json"))
     snapshot = [p.read_bytes() for p in cache_files]
-    with FakeMessagesAPI([_error(500, "api_error")]) as api2:
-        client = _client(tmp_path, api2.url)
+    with FakeMessagesAPI([error_reply(500, "api_error")]) as api2:
+        client = anthropic_client(tmp_path, api2.url)
         second = client.complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
     assert first == second == {"answer": 42}
     assert api2.requests == [] and client.requests_sent == 0
@@ -163,10 +94,10 @@ def test_cache_hit_sends_zero_requests_and_same_bytes(tmp_path):
 
 
 def test_cache_hit_is_free(tmp_path):
-    with FakeMessagesAPI([(200, _message("hi"))]) as api:
-        _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="x")
-    with FakeMessagesAPI([_error(500, "api_error")]) as api2:
-        client = _client(tmp_path, api2.url)
+    with FakeMessagesAPI([(200, text_reply("hi"))]) as api:
+        anthropic_client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="x")
+    with FakeMessagesAPI([error_reply(500, "api_error")]) as api2:
+        client = anthropic_client(tmp_path, api2.url)
         reply = client.complete("s", MSGS, max_tokens=8, stage="x")
     assert reply.cached and reply.text == "hi" and api2.requests == [] and client.requests_sent == 0
     rows = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
@@ -242,8 +173,8 @@ def test_schema_errors_subset():
 
 
 def test_ledger_totals_bill_only_sent_requests(tmp_path):
-    with FakeMessagesAPI([(200, _message("hi"))]) as api:
-        client = _client(tmp_path, api.url)
+    with FakeMessagesAPI([(200, text_reply("hi"))]) as api:
+        client = anthropic_client(tmp_path, api.url)
         client.complete("s", MSGS, max_tokens=8, stage="score")
         client.complete("s", MSGS, max_tokens=8, stage="score")
     t = ledger_totals(tmp_path / "ledger.jsonl")["score"]
@@ -259,23 +190,23 @@ def _rows(path: Path) -> list[dict]:
 def _truncated(kind: str) -> tuple:
     """A 200 whose body stops mid-JSON: the connection closes before `content-length` bytes
     ('short'), or the length matches the cut body ('cut', as a proxy that lost the tail sends it)."""
-    full = json.dumps(_message("never seen")).encode()
+    full = json.dumps(text_reply("never seen")).encode()
     if kind == "short":
         return 200, full[:40], {"content-length": str(len(full))}
     return 200, full[:40]
 
 
 def test_429_with_retry_after_waits_then_succeeds_and_reruns_free(tmp_path):
-    slow_down = (*_error(429, "rate_limit_error"), {"retry-after-ms": None, "retry-after": "1"})
-    with FakeMessagesAPI([slow_down, (200, _message("ok"))]) as api:
-        reply = _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="discover")
+    slow_down = (*error_reply(429, "rate_limit_error"), {"retry-after-ms": None, "retry-after": "1"})
+    with FakeMessagesAPI([slow_down, (200, text_reply("ok"))]) as api:
+        reply = anthropic_client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="discover")
     assert reply.text == "ok" and len(api.requests) == 2
     assert api.times[1] - api.times[0] >= 0.9  # honoured retry-after: 1 (seconds)
     assert api.headers[1].get("x-stainless-retry-count") == "1"
     assert [r["retries"] for r in _rows(tmp_path / "ledger.jsonl")] == [1]
     assert ledger_totals(tmp_path / "ledger.jsonl")["discover"]["retries"] == 1
-    with FakeMessagesAPI([_error(500, "api_error")]) as api2:
-        client = _client(tmp_path, api2.url)
+    with FakeMessagesAPI([error_reply(500, "api_error")]) as api2:
+        client = anthropic_client(tmp_path, api2.url)
         again = client.complete("s", MSGS, max_tokens=8, stage="discover")
     assert again.cached and again.text == "ok" and api2.requests == [] and client.requests_sent == 0
     assert [r["retries"] for r in _rows(tmp_path / "ledger.jsonl")] == [1, 0]
@@ -283,8 +214,8 @@ def test_429_with_retry_after_waits_then_succeeds_and_reruns_free(tmp_path):
 
 @pytest.mark.parametrize("kind", ["short", "cut"])
 def test_truncated_body_is_retried(tmp_path, kind):
-    with FakeMessagesAPI([_truncated(kind), (200, _message("whole"))]) as api:
-        reply = _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="score")
+    with FakeMessagesAPI([_truncated(kind), (200, text_reply("whole"))]) as api:
+        reply = anthropic_client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="score")
     assert reply.text == "whole" and len(api.requests) == 2
     (row,) = _rows(tmp_path / "ledger.jsonl")
     assert row["retries"] == 1 and "error" not in row
@@ -294,7 +225,7 @@ def test_truncated_body_is_retried(tmp_path, kind):
 def test_truncated_body_forever_is_a_clear_error(tmp_path, kind):
     with FakeMessagesAPI([_truncated(kind)]) as api:
         with pytest.raises(LLMError) as info:
-            _client(tmp_path, api.url, max_retries=2).complete("s", MSGS, max_tokens=8, stage="discover")
+            anthropic_client(tmp_path, api.url, max_retries=2).complete("s", MSGS, max_tokens=8, stage="discover")
     assert len(api.requests) == 3
     key = request_key("anthropic", "claude-sonnet-4-5", "s", MSGS, 8, 0.0)
     msg = str(info.value)
@@ -309,7 +240,7 @@ def test_truncated_body_forever_is_a_clear_error(tmp_path, kind):
 
 @pytest.mark.parametrize("fault", ["500", "timeout"])
 def test_exhausted_retries_name_stage_model_and_request(tmp_path, fault):
-    script, delays = ([_error(500, "api_error")], []) if fault == "500" else ([(200, _message("late"))], [1.0] * 2)
+    script, delays = ([error_reply(500, "api_error")], []) if fault == "500" else ([(200, text_reply("late"))], [1.0] * 2)
     with FakeMessagesAPI(script, delays=delays) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
                            base_url=api.url, api_key=KEY, max_retries=1, timeout=0.3)
@@ -324,9 +255,9 @@ def test_exhausted_retries_name_stage_model_and_request(tmp_path, fault):
 
 
 def test_schema_mismatch_error_names_stage_and_request(tmp_path):
-    with FakeMessagesAPI([(200, _message('{"answer": "forty-two"}'))]) as api:
+    with FakeMessagesAPI([(200, text_reply('{"answer": "forty-two"}'))]) as api:
         with pytest.raises(LLMError) as info:
-            _client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
+            anthropic_client(tmp_path, api.url).complete_json("s", MSGS, SCHEMA, max_tokens=32, stage="label")
     key = request_key("anthropic", "claude-sonnet-4-5", "s", MSGS, 32, 0.0, SCHEMA)
     assert str(info.value).startswith(f"anthropic/claude-sonnet-4-5 stage label request {key[:16]}: reply ")
     assert len(api.requests) == 2
@@ -336,6 +267,6 @@ def test_key_echoed_by_the_server_is_redacted(tmp_path):
     echo = (401, {"type": "error", "error": {"type": "authentication_error", "message": f"bad key {KEY}"}})
     with FakeMessagesAPI([echo]) as api:
         with pytest.raises(LLMError, match=r"HTTP 401 \(not retryable\)") as info:
-            _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="discover")
+            anthropic_client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="discover")
     assert len(api.requests) == 1 and KEY not in str(info.value)
     assert KEY not in (tmp_path / "ledger.jsonl").read_text()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from local_http import JSONReplies
-from test_llm import FakeMessagesAPI
+from fake_anthropic import FakeMessagesAPI
 
 from trace_lib.llm import LLMClient, LLMError, analyst_client, ledger_totals, request_key
 from trace_lib.config import AnalystConfig
@@ -182,7 +182,7 @@ def test_discover_score_synthesize_and_gepa_on_an_openai_compatible_server(tmp_p
     all call the server through the SDK, every call is in the cost table, and a rerun is served from the cache."""
     from pathlib import Path
 
-    from test_detectors import play_retail, retail_tasks
+    from retail_play import play_retail, retail_tasks
 
     from trace_lib.config import params_from_dict
     from trace_lib.io import write_jsonl

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 
 from trace_lib.envs.base import Environment, ToolSpec, UserTurn
-from trace_lib.records import Message, Task, ToolCall, UserScenario
+from trace_lib.records import Message, Task, ToolCall, Trajectory, UserScenario
 
 CONTRACT_STUB = """
 CAPABILITY = "c"
@@ -164,3 +164,18 @@ def pick_tasks(seeds: list[int]) -> list[Task]:
     return [Task(id=f"pick/{s}", env="pick", split="train", family="pick", seed=s,
                  instruction="Close the request.", user=UserScenario(reason_for_call=f"Please close request #{s}."))
             for s in seeds]
+
+
+def outcome_trajectory(task: str, success: bool, family: str = "f", sample: int = 0) -> Trajectory:
+    """A finished test-split trajectory of `task` that only says whether it succeeded."""
+    return Trajectory(id=f"{task}#{sample}", task_id=task, env="toy", family=family, split="test", policy_id="p",
+                      seed=0, sample=sample, messages=[Message(role="user", content="hi")], reward=float(success),
+                      success=success, termination="user_stop", tool_calls=1, invalid_actions=0, tool_errors=0,
+                      turns=2, prompt_tokens=0, completion_tokens=0)
+
+
+class ChattyKVEnv(KVEnv):
+    """KVEnv whose user answers a question with the key instead of hanging up."""
+
+    def _user_reply(self, agent_text):
+        return UserTurn("It is k1.", stop=False) if agent_text.endswith("?") else super()._user_reply(agent_text)

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from test_detectors import play_retail, retail_kinds, retail_tasks
-from test_llm import FakeMessagesAPI, _message
+from retail_play import play_retail, retail_kinds, retail_tasks
+from fake_anthropic import FakeMessagesAPI, text_reply
 
 from trace_lib.analyst.discover import (
     Proposal,
@@ -133,7 +133,7 @@ def test_propose_llm_through_the_messages_api(tmp_path, retail_runs):
         return LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
                          base_url=url, api_key="k", max_retries=0)
 
-    with FakeMessagesAPI([(200, _message(json.dumps(reply)))]) as api:
+    with FakeMessagesAPI([(200, text_reply(json.dumps(reply)))]) as api:
         caps = propose_llm(batch, by_id, retail_kinds(), cfg, client(api.url))
     assert [c.id for c in caps] == ["confirmation_before_writes", "say_the_result"]
     assert caps[0].evidence == [batch[0].id] and caps[0].source == "anthropic:claude-sonnet-4-5"

@@ -29,12 +29,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_pipeline_e2e import make_scratch_repo, rules_params
+from scratch_repo import BIN, make_scratch_repo, rules_params
 
 from trace_lib.training.lockstep import resume_points
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 UP_TO_DATE = "Data and pipelines are up to date."
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

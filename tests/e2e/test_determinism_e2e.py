@@ -23,17 +23,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from test_pipeline_e2e import make_scratch_repo, rules_params
+from scratch_repo import BIN, make_scratch_repo, rules_params
 
 from trace_lib.paths import STAGES
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 COVERED = STAGES[: STAGES.index("evaluate") + 1]
 _WALL_TIME_KEYS = {"timing", "seconds"}
 """Top-level keys of reports/metrics/*.json that hold wall times (rollout, train: `timing`, evaluate:

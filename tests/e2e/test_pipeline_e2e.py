@@ -11,61 +11,15 @@ import json
 import os
 import re
 import secrets
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from scratch_repo import BIN, make_scratch_repo, run_checked, tiny_params
 
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 
 pytestmark = pytest.mark.e2e
-
-
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc
-
-
-def tiny_params(model_dir: Path) -> dict:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["model"]["id"] = str(model_dir)
-    params["env"].update({"tasks_per_family": 1, "test_tasks_per_family": 1, "validation_tasks_per_family": 1,
-                          "max_steps": 3})
-    # a tiny random model is in no calibration band: the environments would all be dropped
-    params["synthesize"]["calibration"] = {"enabled": False}
-    params["score"]["max_kept"] = None  # every capability that passes trains (the cpu profile keeps one)
-    params["rollout"].update({"samples_per_task": 1, "max_new_tokens": 24, "batch_size": 4})
-    return params
-
-
-def rules_params(model_dir: Path, train: dict) -> dict:
-    """`tiny_params` with the rules analyst, every candidate capability kept (the tiny model never
-    succeeds, so no capability has a gap to show) and the given `train` section."""
-    params = tiny_params(model_dir)
-    params["analyst"]["backend"] = "rules"
-    params["score"]["empty_rate"] = 0.0
-    params["train"] = train
-    params["evaluate"].update({"n_boot": 100})
-    return params
-
-
-def make_scratch_repo(root: Path, params: dict) -> Path:
-    """`root` made a git + dvc repo holding a copy of the library, notebooks, tests and dvc.yaml, with
-    `params` as its params.yaml."""
-    for name in ("trace_lib", "notebooks", "tests"):
-        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("dvc.yaml", ".gitignore"):
-        shutil.copy(REPO / name, root / name)
-    (root / "params.yaml").write_text(yaml.safe_dump(params))
-    _run(["git", "init", "-q"], root)
-    _run([str(BIN / "dvc"), "init", "-q"], root)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +28,7 @@ def scratch_repo(tmp_path_factory, tiny_model_dir) -> Path:
 
 
 def test_dvc_repro_runs_rollout_and_is_idempotent(scratch_repo: Path):
-    _run([str(BIN / "dvc"), "repro", "rollout"], scratch_repo)
+    run_checked([str(BIN / "dvc"), "repro", "rollout"], scratch_repo)
     traj_file = scratch_repo / "data/rollouts/train.jsonl"
     rows = [json.loads(line) for line in traj_file.read_text().splitlines()]
     assert rows and all(r["policy_id"] and r["messages"][0]["role"] == "system" for r in rows)
@@ -86,7 +40,7 @@ def test_dvc_repro_runs_rollout_and_is_idempotent(scratch_repo: Path):
     assert (scratch_repo / "reports/notebooks/01_rollout.ipynb").exists()
     first = traj_file.read_bytes()
 
-    again = _run([str(BIN / "dvc"), "repro", "rollout"], scratch_repo)
+    again = run_checked([str(BIN / "dvc"), "repro", "rollout"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
     assert traj_file.read_bytes() == first
 
@@ -94,9 +48,9 @@ def test_dvc_repro_runs_rollout_and_is_idempotent(scratch_repo: Path):
 def test_same_seed_same_bytes(scratch_repo: Path):
     """Forcing the stage to run again reproduces the trajectories byte for byte."""
     traj_file = scratch_repo / "data/rollouts/train.jsonl"
-    _run([str(BIN / "dvc"), "repro", "rollout"], scratch_repo)
+    run_checked([str(BIN / "dvc"), "repro", "rollout"], scratch_repo)
     before = traj_file.read_bytes()
-    _run([str(BIN / "dvc"), "repro", "--force", "--single-item", "rollout"], scratch_repo)
+    run_checked([str(BIN / "dvc"), "repro", "--force", "--single-item", "rollout"], scratch_repo)
     assert traj_file.read_bytes() == before
 
 
@@ -123,7 +77,7 @@ def test_dvc_repro_score_runs_discover_and_score(scratch_repo: Path):
     params = yaml.safe_load(params_file.read_text())
     params["analyst"]["backend"] = "rules"  # offline whatever keys the environment holds
     params_file.write_text(yaml.safe_dump(params))
-    _run([str(BIN / "dvc"), "repro", "score"], scratch_repo)
+    run_checked([str(BIN / "dvc"), "repro", "score"], scratch_repo)
 
     caps = [json.loads(line) for line in (scratch_repo / "data/discover/capabilities.jsonl").read_text().splitlines()]
     scores = [json.loads(line) for line in (scratch_repo / "data/score/scores.jsonl").read_text().splitlines()]
@@ -136,7 +90,7 @@ def test_dvc_repro_score_runs_discover_and_score(scratch_repo: Path):
         assert (scratch_repo / f"reports/figures/{name}.png").stat().st_size > 1000
     assert (scratch_repo / "reports/notebooks/03_score.ipynb").exists()
 
-    again = _run([str(BIN / "dvc"), "repro", "score"], scratch_repo)
+    again = run_checked([str(BIN / "dvc"), "repro", "score"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
 
 
@@ -153,7 +107,7 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
     params["train"] = {"iterations": 1, "groups": 1, "group_size": 2, "reference_samples": 1, "max_new_tokens": 8,
                        "max_steps_per_episode": 2, "threads": 1, "lockstep": True}
     params_file.write_text(yaml.safe_dump(params))
-    _run([str(BIN / "dvc"), "repro", "train"], scratch_repo)
+    run_checked([str(BIN / "dvc"), "repro", "train"], scratch_repo)
 
     synth = json.loads((scratch_repo / "reports/metrics/synthesize.json").read_text())
     kept = [json.loads(line)["id"] for line in (scratch_repo / "data/score/kept.jsonl").read_text().splitlines()]
@@ -187,7 +141,7 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
     assert {name: len(rows) - 1 for name, rows in lines.items()} == {
         name: train["adapters"][name]["iterations"] for name in lines}
     assert all(len(lines[cid]) == 2 for cid in installed)
-    again = _run([str(BIN / "dvc"), "repro", "train"], scratch_repo)
+    again = run_checked([str(BIN / "dvc"), "repro", "train"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
 
 
@@ -201,7 +155,7 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
                        "max_steps_per_episode": 2, "threads": 1, "reward": {"efficiency": False}, "lockstep": True}
     params["evaluate"].update({"n_boot": 100})
     params_file.write_text(yaml.safe_dump(params))
-    _run([str(BIN / "dvc"), "repro", "report"], scratch_repo)
+    run_checked([str(BIN / "dvc"), "repro", "report"], scratch_repo)
 
     ev = json.loads((scratch_repo / "reports/metrics/evaluate.json").read_text())
     ran = {k for k, v in ev["methods"].items() if v["status"] == "run"}
@@ -229,7 +183,7 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
         assert name in index
     for nb in ("01_rollout", "05_train", "06_evaluate", "07_scaling"):
         assert (scratch_repo / f"reports/html/{nb}.html").is_file()
-    again = _run([str(BIN / "dvc"), "repro", "report"], scratch_repo)
+    again = run_checked([str(BIN / "dvc"), "repro", "report"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
 
 
@@ -273,13 +227,13 @@ def test_api_key_never_reaches_a_file(scratch_repo: Path, monkeypatch):
     then discover through the anthropic backend, against a local Messages API that answers a 429 and
     a body cut mid-way before the proposals, with the SDK's debug log on: the key reaches the server
     and no file in the repo, nor dvc's output. A forced rerun of discover sends nothing."""
-    from test_llm import FakeMessagesAPI, _error, _message
+    from fake_anthropic import FakeMessagesAPI, error_reply, text_reply
 
     key = f"sk-ant-test-{secrets.token_hex(16)}"
     proposal = {"capabilities": [{"name": "Confirm before writing", "description": "asks before a write tool",
                                   "recognition": "a write call with no confirmation", "evidence": []}]}
-    reply = json.dumps(_message(json.dumps(proposal))).encode()
-    script = [_error(429, "rate_limit_error"), (200, reply[:60]), (200, reply)]
+    reply = json.dumps(text_reply(json.dumps(proposal))).encode()
+    script = [error_reply(429, "rate_limit_error"), (200, reply[:60]), (200, reply)]
     params_file = scratch_repo / "params.yaml"
     params = yaml.safe_load(params_file.read_text())
     params["analyst"]["backend"] = "rules"  # as in the report test: a no-op after it, the whole DAG alone
@@ -293,17 +247,17 @@ def test_api_key_never_reaches_a_file(scratch_repo: Path, monkeypatch):
         monkeypatch.setenv("ANTHROPIC_API_KEY", key)
         monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)  # nothing leaves the machine
         monkeypatch.setenv("ANTHROPIC_LOG", "debug")
-        logs.append(_run([str(BIN / "dvc"), "repro", "report"], scratch_repo))
+        logs.append(run_checked([str(BIN / "dvc"), "repro", "report"], scratch_repo))
         assert api.requests == []  # the rules analyst: the key is set but unused
         params["analyst"]["backend"] = "auto"  # the key set: Claude, i.e. the fake server
         params["discover"]["merge"] = "name"
         params_file.write_text(yaml.safe_dump(params))
-        logs.append(_run([str(BIN / "dvc"), "repro", "discover"], scratch_repo))
+        logs.append(run_checked([str(BIN / "dvc"), "repro", "discover"], scratch_repo))
         sent, ledger = len(api.requests), _ledger(scratch_repo)
         # The rerun overwrites them: the notebook that holds the SDK's log of the real calls, and the ledger.
         first_run = {p: (scratch_repo / p).read_text() for p in ("reports/notebooks/02_discover.ipynb",
                                                                  "data/discover/ledger.jsonl")}
-        logs.append(_run([str(BIN / "dvc"), "repro", "--force", "--single-item", "discover"], scratch_repo))
+        logs.append(run_checked([str(BIN / "dvc"), "repro", "--force", "--single-item", "discover"], scratch_repo))
     assert sent >= 3 and all(key in (h.get("x-api-key"), h.get("authorization", "").removeprefix("Bearer "))
                              for h in api.headers)  # the key did reach the API
     assert sum(r["retries"] for r in ledger) == 2 and not any(r["cached"] or "error" in r for r in ledger)

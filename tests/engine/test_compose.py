@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from lora_files import LLAMA_PROJECTIONS, explicit_model, logits, save_lora
 
 from trace_lib.engine.policy import load_policy
 from trace_lib.records import Message, RouteDecision
@@ -21,27 +21,11 @@ from trace_lib.engine.compose import (
 )
 from trace_lib.routing.route import label_probabilities, route_labels
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def save_lora(model_dir, out, seed: int, r: int, alpha: int, targets: list[str]):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    # PEFT zero-inits B (a fresh adapter is a no-op); init_lora_weights=False keeps both A and B at
-    # nn.Linear's random init, so every delta is non-zero.
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False))
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     # different ranks and target sets: merges must not assume either is shared
-    return {"a": save_lora(tiny_model_dir, root / "a", 1, r=4, alpha=8, targets=ALL),
+    return {"a": save_lora(tiny_model_dir, root / "a", 1, r=4, alpha=8, targets=LLAMA_PROJECTIONS),
             "b": save_lora(tiny_model_dir, root / "b", 2, r=2, alpha=6, targets=["q_proj", "v_proj", "down_proj"])}
 
 
@@ -58,11 +42,6 @@ def ids(policy):
     return torch.tensor([r[:n] for r in rows], device=policy.device)
 
 
-def logits(model, ids) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(input_ids=ids).logits.float()
-
-
 def base_logits(policy, ids) -> torch.Tensor:
     with policy.model.disable_adapter():
         return logits(policy.model, ids)
@@ -70,28 +49,6 @@ def base_logits(policy, ids) -> torch.Tensor:
 
 def base_weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
-
-
-def explicit_model(model_dir, adapter_dirs, weights: dict[str, float]):
-    """A plain transformers model whose weights are set to W + Σ α·(B A · lora_alpha / r), computed
-    from the adapter files without PEFT."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name, alpha in weights.items():
-            folder = adapter_dirs[name]
-            cfg = json.loads((folder / "adapter_config.json").read_text())
-            scaling = cfg["lora_alpha"] / cfg["r"]
-            tensors = load_file(folder / "adapter_model.safetensors")
-            for key, a in tensors.items():
-                if not key.endswith("lora_A.weight"):
-                    continue
-                b = tensors[key.replace("lora_A", "lora_B")]
-                path = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                modules[path].weight += alpha * scaling * (b @ a)
-    return model
 
 
 def test_adapters_change_the_model(policy, ids):
@@ -228,7 +185,7 @@ def test_cat_adapter_is_peft_cat_to_the_bit_and_serves_the_merge(policy, ids, ti
     config, tensors = cat_adapter(adapter_dirs, weights)
     ref = peft_cat_tensors(tiny_model_dir, adapter_dirs, weights)
     assert sorted(tensors) == sorted(ref) and all(torch.equal(tensors[k], ref[k]) for k in ref)
-    assert config["r"] == config["lora_alpha"] == 6 and config["target_modules"] == sorted(ALL)
+    assert config["r"] == config["lora_alpha"] == 6 and config["target_modules"] == sorted(LLAMA_PROJECTIONS)
     # loaded as an ordinary adapter, it is the exact merge base + Σ α·B·A
     folder = write_cat_adapter(adapter_dirs, weights, tmp_path)
     served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), folder).eval()

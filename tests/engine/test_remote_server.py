@@ -95,7 +95,7 @@ def test_smollm2_on_vllm_as_the_analyst_discovers_and_labels_through_the_schema_
     replies' JSON schemas as `response_format` (vLLM's guided decoding), every reply validates or is recorded as
     a failure, and a rerun is served from the cache. SmolLM2 is too small to be a good analyst: this checks the
     wire, the schema path and the cache, not the labels."""
-    from test_detectors import play_retail, retail_tasks
+    from retail_play import play_retail, retail_tasks
 
     from trace_lib.config import params_from_dict
     from trace_lib.io import write_jsonl

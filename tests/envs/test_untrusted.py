@@ -261,11 +261,11 @@ def test_non_finite_numbers_in_a_call_are_invalid_and_the_turn_is_writable(tmp_p
 def test_an_llm_reply_with_a_lone_surrogate_is_cleaned_before_it_is_cached(tmp_path):
     """An LLM user or analyst reply is untrusted too: a `\\ud800` escape in the Messages API body decodes
     to unencodable text, which the cache file (strict UTF-8) could not hold."""
-    from test_llm import FakeMessagesAPI, MSGS, _client, _message
+    from fake_anthropic import FakeMessagesAPI, MSGS, anthropic_client, text_reply
 
-    body = json.dumps(_message("yes \\ud800 please")).replace("\\\\ud800", "\\ud800").encode()
+    body = json.dumps(text_reply("yes \\ud800 please")).replace("\\\\ud800", "\\ud800").encode()
     with FakeMessagesAPI([(200, body)]) as api:
-        reply = _client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="tau2_user")
+        reply = anthropic_client(tmp_path, api.url).complete("s", MSGS, max_tokens=8, stage="tau2_user")
     assert reply.text == "yes \ufffd please" and len(api.requests) == 1
     (cached,) = (tmp_path / "cache").rglob("*.json")
     assert json.loads(cached.read_text(encoding="utf-8"))["text"] == "yes \ufffd please"

@@ -7,7 +7,7 @@ import importlib.util
 import json
 
 import pytest
-from test_llm import KEY, FakeMessagesAPI, _message
+from fake_anthropic import KEY, FakeMessagesAPI, text_reply
 from toy import KVEnv, kv_task
 
 from trace_lib.engine.policy import load_policy
@@ -80,7 +80,7 @@ def test_budget_is_a_hard_cap(policy, tmp_path):
 
 def test_anthropic_reflection_through_the_sdk(policy, tmp_path):
     reply = "```\nLOOKUP values with the tool before answering.\n```"
-    with FakeMessagesAPI([(200, _message(reply))]) as api:
+    with FakeMessagesAPI([(200, text_reply(reply))]) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "llm.jsonl",
                            base_url=api.url, api_key=KEY, max_retries=0, timeout=10)
         run = optimize_system_prompt(policy, train(4), llm_reflection(client), CFG, budget=12,
@@ -121,7 +121,7 @@ def test_run_evaluate_gepa_row(tmp_path, tiny_model_dir, monkeypatch):
         "evaluate": {"interference_seeds": 0, "n_boot": 50, "methods": ["base", "gepa"], "gepa_tasks": 2,
                      "gepa_minibatch": 1},
     })
-    with FakeMessagesAPI([(200, _message("```\nBe precise.\n```"))]) as api:
+    with FakeMessagesAPI([(200, text_reply("```\nBe precise.\n```"))]) as api:
         monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
         monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)
         metrics = run_evaluate(params, tmp_path, progress=False)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from toy import KVEnv, kv_task
+from lora_files import save_lora
+from toy import KVEnv, kv_task, outcome_trajectory
 
 from trace_lib.engine.policy import load_policy
 from trace_lib.config import EvaluateConfig, Params, RolloutConfig
@@ -36,15 +37,7 @@ from trace_lib.evaluation.tables import (
 )
 from trace_lib.io import read_jsonl, write_json, write_jsonl
 from trace_lib.paths import Paths
-from trace_lib.records import (
-    AdapterManifest,
-    Label,
-    Message,
-    RouteDecision,
-    Task,
-    Trajectory,
-    UserScenario,
-)
+from trace_lib.records import AdapterManifest, Label, RouteDecision, Task, Trajectory, UserScenario
 from trace_lib.engine.compose import merge_label
 from trace_lib.routing.route import RouteCandidate
 from trace_lib.routing.routers import calibrate, label_prior, lacking_labels
@@ -53,26 +46,11 @@ from trace_lib.budget import RolloutLedger
 CFG = RolloutConfig(samples_per_task=1, temperature=0.0, max_new_tokens=6, batch_size=4, constrained=False)
 
 
-def save_lora(model_dir, out, seed: int, targets: list[str]):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=4, lora_alpha=16, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():  # noise on B as well: the adapter really changes the outputs
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def lora_dirs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_loras")
-    return {"a": save_lora(tiny_model_dir, root / "a", 1, ["q_proj", "v_proj", "down_proj"]),
-            "b": save_lora(tiny_model_dir, root / "b", 2, ["k_proj", "o_proj", "up_proj"])}
+    return {"a": save_lora(tiny_model_dir, root / "a", 1, ["q_proj", "v_proj", "down_proj"], b_std=0.5),
+            "b": save_lora(tiny_model_dir, root / "b", 2, ["k_proj", "o_proj", "up_proj"], b_std=0.5)}
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +60,6 @@ def policy(tiny_model_dir, lora_dirs):
 
 def base_state(policy) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" not in n}
-
-
-def traj(task: str, success: bool, family: str = "f", sample: int = 0) -> Trajectory:
-    return Trajectory(id=f"{task}#{sample}", task_id=task, env="toy", family=family, split="test", policy_id="p",
-                      seed=0, sample=sample, messages=[Message(role="user", content="hi")], reward=float(success),
-                      success=success, termination="user_stop", tool_calls=1, invalid_actions=0, tool_errors=0,
-                      turns=2, prompt_tokens=0, completion_tokens=0)
 
 
 def tagged(i: int, tags: list[str]) -> Task:
@@ -330,7 +301,7 @@ def test_routing_quality_on_constructed_decisions():
 # --- tables and budgets ------------------------------------------------------------------------------
 def _runs() -> list[MethodRun]:
     def outcomes(pattern: str) -> list[Trajectory]:
-        return [traj(f"t{i}", c == "1", family="x" if i % 2 else "y") for i, c in enumerate(pattern)]
+        return [outcome_trajectory(f"t{i}", c == "1", family="x" if i % 2 else "y") for i, c in enumerate(pattern)]
 
     return [
         MethodRun("base", "base", "base", outcomes("0000011111"), budget=0),
@@ -505,8 +476,8 @@ def test_baseline_row_at_equal_budget_from_ledgers(tmp_path):
     Paths(tmp_path).train_ledger("a").unlink()
     assert adapter_budget(tmp_path, "a") == (300, "manifest")  # no ledger: the manifest's count
 
-    runs = [MethodRun("base", "base", "base", [traj("t0", False)], budget=0),
-            MethodRun("grpo_target", "grpo_target", "GRPO on target", [traj("t0", True)], budget=n, budget_source=src)]
+    runs = [MethodRun("base", "base", "base", [outcome_trajectory("t0", False)], budget=0),
+            MethodRun("grpo_target", "grpo_target", "GRPO on target", [outcome_trajectory("t0", True)], budget=n, budget_source=src)]
     summarize_runs(runs, n_boot=0)
     row = table1(runs, ["f"], budget["total"]).set_index("method").loc["GRPO on target"]
     assert (row["rollouts"], row["budget vs TRACE"]) == ("660", "1.00×")
@@ -705,7 +676,7 @@ def test_run_evaluate_decoding_methods_together_writes_the_same_episodes(tmp_pat
 def test_run_evaluate_on_a_server_without_a_local_model(tmp_path, tiny_model_dir, lora_dirs, monkeypatch):
     """policy.backend openai: adapters loaded into the server by name, routes scored from its top
     log-probabilities, merges served as concatenated adapters; the same records and tables."""
-    from test_remote import FakeOpenAI, serving
+    from fake_openai import FakeOpenAI, serving
 
     from trace_lib.stages.evaluate import run_evaluate
 

@@ -7,7 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_evaluate import save_lora, traj
+from lora_files import save_lora
+from toy import outcome_trajectory
 
 from trace_lib.config import Params, ScalingConfig
 from trace_lib.evaluation.scaling import (
@@ -106,7 +107,7 @@ def test_find_snapshots_needs_config_and_meta(tmp_path):
 
 def test_ablation_rows_this_run_other_runs_and_how_to(tmp_path):
     def put(root: Path, key: str, outcomes: list[bool], calls: int = 2):
-        rows = [traj(f"t{i}", ok).model_copy(update={"tool_calls": calls}) for i, ok in enumerate(outcomes)]
+        rows = [outcome_trajectory(f"t{i}", ok).model_copy(update={"tool_calls": calls}) for i, ok in enumerate(outcomes)]
         write_jsonl(root / "data" / "evaluate" / "trajectories" / f"{key}.jsonl", rows)
 
     put(tmp_path, "base", [False, False, True, False])
@@ -129,11 +130,11 @@ def test_ablation_rows_this_run_other_runs_and_how_to(tmp_path):
 @pytest.fixture(scope="module")
 def loras(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("scaling_loras")
-    return {"a": save_lora(tiny_model_dir, root / "a", 1, ["q_proj", "v_proj"]),
-            "a1": save_lora(tiny_model_dir, root / "a1", 3, ["q_proj", "v_proj"]),
-            "b": save_lora(tiny_model_dir, root / "b", 2, ["k_proj", "o_proj"]),
-            "b1": save_lora(tiny_model_dir, root / "b1", 4, ["k_proj", "o_proj"]),
-            "zero": zero_lora(save_lora(tiny_model_dir, root / "zero", 5, ["q_proj", "v_proj"]))}
+    return {"a": save_lora(tiny_model_dir, root / "a", 1, ["q_proj", "v_proj"], b_std=0.5),
+            "a1": save_lora(tiny_model_dir, root / "a1", 3, ["q_proj", "v_proj"], b_std=0.5),
+            "b": save_lora(tiny_model_dir, root / "b", 2, ["k_proj", "o_proj"], b_std=0.5),
+            "b1": save_lora(tiny_model_dir, root / "b1", 4, ["k_proj", "o_proj"], b_std=0.5),
+            "zero": zero_lora(save_lora(tiny_model_dir, root / "zero", 5, ["q_proj", "v_proj"], b_std=0.5))}
 
 
 def zero_lora(folder: Path) -> Path:
@@ -158,7 +159,7 @@ def test_run_scaling_after_evaluate(tmp_path, tiny_model_dir, loras, monkeypatch
     """Evaluate on 2 tasks with two adapters that each have one snapshot, then the scaling stage; in-process
     (method by method, and with every method's and point's episodes in one batch: `evaluate.decode_together`),
     and on a (fake) server that loads every adapter and snapshot by name."""
-    from test_remote import FakeOpenAI, serving
+    from fake_openai import FakeOpenAI, serving
 
     with FakeOpenAI(serving) as api:
         server = {"policy": {"backend": "openai", "base_url": api.url, "served_model": tiny_model_dir.name,

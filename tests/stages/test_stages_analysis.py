@@ -14,7 +14,7 @@ import nbformat
 import papermill
 import pytest
 import yaml
-from test_detectors import play_retail, retail_tasks
+from retail_play import play_retail, retail_tasks
 
 from trace_lib.io import write_jsonl
 

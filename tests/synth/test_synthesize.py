@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_llm import FakeMessagesAPI, _message
+from fake_anthropic import FakeMessagesAPI, text_reply
 
 from trace_lib.llm import LLMClient
 from trace_lib.analyst.render import render_task
@@ -186,7 +186,7 @@ def test_template_synthesizer_refuses_targets_it_has_no_tools_for(tmp_path):
 
 def test_llm_synthesizer_feeds_validation_errors_back_until_valid(tmp_path):
     bad = "import os\n" + GOOD
-    replies = [(200, _message(f"Here it is:\n```python\n{bad}```")), (200, _message(f"```python\n{GOOD}```"))]
+    replies = [(200, text_reply(f"Here it is:\n```python\n{bad}```")), (200, text_reply(f"```python\n{GOOD}```"))]
     params = _params(backend="anthropic", max_attempts=3)
     with FakeMessagesAPI(replies) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
@@ -207,7 +207,7 @@ def test_llm_synthesizer_on_the_phone_gets_the_phone_sdk_and_its_module_validate
     phone_module = (FIXTURES / "phone_blocked_text.py").read_text()
     params = params_from_dict({"analyst": {"backend": "rules"}, "env": {"name": "phone"},
                                "synthesize": {"backend": "anthropic", "max_attempts": 1}})
-    with FakeMessagesAPI([(200, _message(f"```python\n{phone_module}```"))]) as api:
+    with FakeMessagesAPI([(200, text_reply(f"```python\n{phone_module}```"))]) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
                            base_url=api.url, api_key="k", max_retries=0)
         manifest = _synthesize(_cap("state_dependency_resolution"), "anthropic", params, tmp_path, client=client)
@@ -238,7 +238,7 @@ def test_phone_rubric_names_what_a_task_lacks():
 def test_llm_synthesizer_gives_up_after_max_attempts_with_the_reason(tmp_path):
     broken = "```python\ndef generate_task(:\n```"
     params = _params(backend="anthropic", max_attempts=2)
-    with FakeMessagesAPI([(200, _message(broken))]) as api:
+    with FakeMessagesAPI([(200, text_reply(broken))]) as api:
         client = LLMClient("anthropic", "claude-sonnet-4-5", tmp_path / "cache", tmp_path / "ledger.jsonl",
                            base_url=api.url, api_key="k", max_retries=0)
         manifest = _synthesize(_cap("communicate_result"), "anthropic", params, tmp_path, client=client)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from test_train import FAST, ScriptedPolicy, kv_tasks
+from scripted_tokens import ScriptedPolicy
+from tiny_training import FAST, kv_tasks
 from toy import KVEnv, kv_task
 
 from trace_lib.config import CalibrationConfig, TrainConfig

@@ -17,7 +17,7 @@ from trace_lib.config import TrainConfig
 from trace_lib.training import distributed
 from trace_lib.training.trainer import _micro_batch, cpu_pass_rows
 
-TESTS = Path(__file__).resolve().parent  # this folder (test_train.py); toy.py lies one up, the repo two up
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where the shared helpers are; the repo one up
 
 
 @pytest.mark.parametrize("per_iter,group_size,cap,rows", [
@@ -78,8 +78,8 @@ def test_the_launch_command_runs_accelerate_on_local_processes():
 RUN = textwrap.dedent("""
     import hashlib, json, sys
     from pathlib import Path
-    sys.path[:0] = [{tests!r}, {tests_root!r}]
-    from test_train import ParityEnv, kv_tasks
+    sys.path[:0] = [{tests!r}]
+    from tiny_training import ParityEnv, kv_tasks
     from trace_lib.config import TrainConfig
     from trace_lib.training import distributed, trainer as trainer_mod
     from trace_lib.budget import RolloutLedger
@@ -107,8 +107,8 @@ def test_two_gloo_processes_train_one_adapter_with_the_same_weights_on_both(tiny
     from trace_lib.engine.serve import free_port
 
     script = tmp_path / "run.py"
-    script.write_text(RUN.format(tests=str(TESTS), tests_root=str(TESTS.parent), out=str(tmp_path), model=str(tiny_model_dir)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS.parents[1])}
+    script.write_text(RUN.format(tests=str(TESTS), out=str(tmp_path), model=str(tiny_model_dir)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS.parent)}
     done = subprocess.run(distributed.launch_command(2, [str(script)], port=free_port()), env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

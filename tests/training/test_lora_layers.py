@@ -9,8 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
-from test_compose import ALL, explicit_model, logits, save_lora
-from test_train import FAST, ParityEnv, kv_tasks
+from lora_files import LLAMA_PROJECTIONS, explicit_model, logits, save_lora
+from tiny_training import FAST, ParityEnv, kv_tasks
 
 from trace_lib.engine.adapters import cat_adapter, write_cat_adapter
 from trace_lib.engine.policy import load_policy
@@ -65,7 +65,7 @@ def test_a_top_layer_adapter_saves_weights_of_the_last_layer_only(trained):
     folder, manifest = trained
     tensors = load_file(folder / "adapter_model.safetensors")
     assert _layers(tensors) == {1}
-    assert {k.split(".")[-3] for k in tensors} == set(ALL)  # every targeted module of that layer
+    assert {k.split(".")[-3] for k in tensors} == set(LLAMA_PROJECTIONS)  # every targeted module of that layer
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in tensors.items())  # it trained (B starts at zero)
     assert json.loads((folder / "adapter_config.json").read_text())["layers_to_transform"] == [1]
     assert manifest.config["train"]["lora_layers"] == 1 and manifest.rollouts_used == 8
@@ -98,10 +98,10 @@ def mixed_dirs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("mixed_loras")
     torch.manual_seed(3)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=ALL, layers_to_transform=[1],
+                           LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_PROJECTIONS, layers_to_transform=[1],
                                       init_lora_weights=False))
     model.save_pretrained(root / "top")
-    return {"top": root / "top", "wide": save_lora(tiny_model_dir, root / "wide", 4, r=2, alpha=6, targets=ALL)}
+    return {"top": root / "top", "wide": save_lora(tiny_model_dir, root / "wide", 4, r=2, alpha=6, targets=LLAMA_PROJECTIONS)}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_the_unsloth_backend_is_given_the_top_layers(tiny_model_dir, monkeypatch
     LoRA keep the plain forward); the call is checked through `test_train.fake_unsloth`, as Unsloth needs CUDA."""
     import sys
 
-    from test_train import fake_unsloth
+    from tiny_training import fake_unsloth
 
     from trace_lib.training.trainer import load_trainable
 

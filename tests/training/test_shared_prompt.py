@@ -315,3 +315,11 @@ def test_a_decoder_that_keeps_no_cache_is_refused(tiny_model_dir):
         grouped_logps(model, ids, mask, width, score)
     with pytest.raises(RuntimeError, match="activation checkpointing"):
         grouped_logps(model, ids, mask, width, score, prefix=SharedPrefix(ids[0][mask[0].bool()][:4].tolist()))
+
+
+def test_grouped_logps_refuse_a_temperature_of_zero(tiny_model_dir):
+    from trace_lib.training.shared_prompt import grouped_logps
+
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        grouped_logps(None, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 1,
+                      temperature=0.0)
