@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trace_lib.profiles import PROFILES, merge, profile_overrides, profile_values
 
@@ -549,6 +549,33 @@ class TrainConfig(Section):
     threads: int = Field(0, ge=0)
     """torch CPU threads (0: torch's default for the update; sampling runs on fewer while other
     processes keep the cores busy, engine/threads.py; n > 0: always n)."""
+
+    # --- watching a run (not part of what is trained: manifests and checkpoints leave these out) ------------
+    report_to: list[Literal["dvclive", "trackio", "wandb"]] = Field(default_factory=lambda: ["dvclive"])
+    """Where each training reports every iteration while it runs. 'dvclive': `reports/train/<adapter>/`, the
+    `dvc plots` of the stage, and the last values in `reports/metrics/train/<adapter>.json` (docs/watching.md);
+    'trackio', 'wandb': TRL's own integrations, where the package is installed. 'none' (or []): nothing live,
+    the same DVCLive files are written when each adapter is done."""
+    episodes_logged: int = Field(8, ge=0)
+    """Sampled episodes per iteration in `reports/tables/train_episodes/<adapter>.tsv` (0: none)."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        if value in ("none", None):
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, value: list[str]) -> list[str]:
+        import importlib.util
+
+        missing = [name for name in value if name != "dvclive" and importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} is not installed; install it (pip install {' '.join(missing)}) "
+                             "or leave it out of train.report_to")
+        return list(dict.fromkeys(value))
 
     @model_validator(mode="after")
     def _processes_get_whole_groups(self) -> TrainConfig:

@@ -82,8 +82,19 @@ class Paths:
 
     @property
     def train_logs(self) -> Path:
-        """`reports/train/<adapter>.csv`: training logs under TRL's metric names (dvc plots)."""
+        """`reports/train/<adapter>/plots/metrics/*.tsv`: each training's curves as DVCLive writes them, under TRL's
+        metric names (dvc plots, live while the stage runs; `training.tracking`)."""
         return self.reports / "train"
+
+    @property
+    def train_summaries(self) -> Path:
+        """`reports/metrics/train/<adapter>.json`: each training's last values (dvc metrics, `dvc exp show`)."""
+        return self.metrics_dir / "train"
+
+    @property
+    def train_episodes(self) -> Path:
+        """`reports/tables/train_episodes/<adapter>.tsv`: a few sampled episodes of each iteration per training."""
+        return self.tables / "train_episodes"
 
     @property
     def lock(self) -> Path:
@@ -311,7 +322,7 @@ def stage_outs(paths: Paths) -> dict[str, list[Path]]:
                   fig("score_stability")],
         "synthesize": [p.envs, p.metrics("synthesize")],
         "train": [p.adapters, p.train, p.metrics("train"), fig("train_curves"), fig("train_efficiency"),
-                  fig("train_vs_base"), fig("train_rubric"), p.train_logs],
+                  fig("train_vs_base"), fig("train_rubric"), p.train_logs, p.train_summaries, p.train_episodes],
         "evaluate": [p.evaluate, p.metrics("evaluate"), tab("table1"), tab("table1", ".csv"), tab("routing"),
                      tab("interference"), tab("capabilities"), fig("evaluate_success"),
                      fig("evaluate_routing_confusion"), fig("evaluate_interference")],

@@ -176,9 +176,9 @@ def _assert_artifacts_whole(root: Path, *, notebooks: bool = True) -> None:
 
 
 def _outputs(root: Path, folders: tuple[str, ...]) -> dict[str, bytes]:
-    """The bytes of every file under `folders`."""
+    """The bytes of every file under `folders`, the trainings' wall-time curves (`.../metrics/time/`) aside."""
     return {str(p.relative_to(root)): p.read_bytes() for f in folders for p in sorted((root / f).rglob("*"))
-            if p.is_file()}
+            if p.is_file() and "time" not in p.relative_to(root / f).parts[:-1]}
 
 
 def _without_timing(path: Path) -> dict:

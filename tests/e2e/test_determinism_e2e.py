@@ -6,13 +6,13 @@ settings of test_crash_safety; the bytes of every file each stage declares in dv
 must give every file back byte for byte, and `dvc status evaluate` must stay clean.
 
 Left out, because they hold wall times: the executed notebooks (papermill records each cell's start
-and end) and the wall-time keys of the metrics files (`_WALL_TIME_KEYS`, compared with those keys
-dropped). The trainer's seconds per iteration go to `data/logs/`, which no stage declares.
+and end), the wall-time keys of the metrics files (`_WALL_TIME_KEYS`, compared with those keys
+dropped) and the wall-time curves of each training (`reports/train/<adapter>/plots/metrics/time/`). The trainer's seconds per iteration go to `data/logs/`, which no stage declares.
 
 The reference runs under PYTHONHASHSEED=0 and the reruns under 1, so an output that follows the
 iteration order of a set of strings (or a dict built from one) differs here every time rather than
 by chance. The tiny random model never completes a tool call, so training sees identical rewards and
-leaves LoRA B at zero; that weight updates repeat is test_train's
+leaves LoRA B at zero; that weight updates repeat is tests/training/test_trainer.py's
 `test_same_seed_same_bytes_and_resume_matches_a_straight_run`.
 
 A little over two minutes on two cores (the reference run takes half of it).
@@ -32,7 +32,7 @@ from scratch_repo import BIN, make_scratch_repo, rules_params
 from trace_lib.paths import STAGES
 
 COVERED = STAGES[: STAGES.index("evaluate") + 1]
-_WALL_TIME_KEYS = {"timing", "seconds"}
+_WALL_TIME_KEYS = {"timing", "seconds", "time"}
 """Top-level keys of reports/metrics/*.json that hold wall times (rollout, train: `timing`, evaluate:
 `seconds`)."""
 
@@ -70,7 +70,7 @@ def _outputs(root: Path, stage: str) -> dict[str, bytes]:
             continue
         top = root / name
         for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
-            if path.is_file():
+            if path.is_file() and "time" not in path.relative_to(top).parts[:-1]:  # a training's wall-time curves
                 out[str(path.relative_to(root))] = _bytes(path, kind)
     return out
 

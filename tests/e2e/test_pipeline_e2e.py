@@ -134,13 +134,22 @@ def test_dvc_repro_train_synthesizes_and_trains_adapters(scratch_repo: Path):
         assert sum(json.loads(line)["rollouts"] for line in ledger.read_text().splitlines()) == 2
     assert (scratch_repo / "reports/figures/train_curves.png").stat().st_size > 1000
     assert (scratch_repo / "reports/figures/train_vs_base.png").stat().st_size > 1000
-    curves = sorted((scratch_repo / "reports/train").glob("*.csv"))  # dvc plots: x iteration, y reward
-    assert [p.stem for p in curves] == sorted([*installed, *after])
-    lines = {p.stem: p.read_text().splitlines() for p in curves}  # header + one row per iteration
-    assert all(rows[0].startswith("iteration,rollouts,reward,") for rows in lines.values())
+    # DVCLive's files, one folder per adapter (dvc plots: x step, one TSV per metric), its last values, its episodes
+    curves = sorted(p.name for p in (scratch_repo / "reports/train").iterdir())
+    assert curves == sorted([*installed, *after])
+    lines = {name: (scratch_repo / f"reports/train/{name}/plots/metrics/reward.tsv").read_text().splitlines()
+             for name in curves}  # header + one row per iteration
+    assert all(rows[0] == "step\treward" for rows in lines.values())
     assert {name: len(rows) - 1 for name, rows in lines.items()} == {
         name: train["adapters"][name]["iterations"] for name in lines}
     assert all(len(lines[cid]) == 2 for cid in installed)
+    summaries = {p.stem: json.loads(p.read_text()) for p in (scratch_repo / "reports/metrics/train").glob("*.json")}
+    assert sorted(summaries) == curves and all(s["step"] == len(lines[n]) - 1 for n, s in summaries.items())
+    assert all((scratch_repo / f"reports/tables/train_episodes/{name}.tsv").read_text().startswith("step\tsource")
+               for name in curves)
+    shown = json.loads(run_checked([str(BIN / "dvc"), "plots", "show", "--json"], scratch_repo).stdout)
+    assert not [e for e in shown.get("errors", []) if e["name"].startswith("reports/train")]  # later stages: not run
+    assert shown["data"][f"reports/train/{curves[0]}/plots/metrics/reward.tsv"][0]["content"]["data"]["values"]
     again = run_checked([str(BIN / "dvc"), "repro", "train"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
 

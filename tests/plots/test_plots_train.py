@@ -1,9 +1,6 @@
-"""Training curves: the CSV that dvc.yaml declares as plots, and the figure against the base pass rate."""
+"""Training curves: the figures and tables drawn from train-log rows (the DVCLive files: tests/training/test_tracking.py)."""
 
 from __future__ import annotations
-
-import csv
-import io
 
 import matplotlib
 
@@ -13,15 +10,12 @@ import pytest
 
 from trace_lib.plots.train import (
     ADAPTER_COLUMNS,
-    CSV_COLUMNS,
     adapter_table,
     base_pass_rate,
     curves_against_base,
     last_iterations,
     rubric_curves,
-    train_log_csv,
     training_curves,
-    write_train_csvs,
 )
 from trace_lib.records import AdapterManifest
 
@@ -34,40 +28,6 @@ def log_row(iteration: int, success: float, reward: float | None = None, **kw) -
            "trained_tokens": 191, "loss": -0.068, "kl": None, "entropy": 0.685832, "grad_norm": 0.38,
            "clip_ratio": 0.0, "learning_rate": 1e-05}
     return {**row, **kw}
-
-
-def parse(text: str) -> list[dict[str, str]]:
-    return list(csv.DictReader(io.StringIO(text)))
-
-
-def test_csv_has_trl_metric_names_and_leaves_unrecorded_values_empty():
-    text = train_log_csv([log_row(1, 0.25), log_row(2, 0.375)])
-    assert text.splitlines()[0] == ",".join(CSV_COLUMNS)
-    assert {"reward", "reward_std", "frac_reward_zero_std", "kl", "completion_length", "tool_calls", "iteration",
-            "rollouts", "success_rate", "l_t"} <= set(CSV_COLUMNS)
-    rows = parse(text)
-    assert [r["iteration"] for r in rows] == ["1", "2"] and [r["rollouts"] for r in rows] == ["8", "16"]
-    assert rows[1]["reward"] == "0.375" and rows[0]["reward_std"] == "0.46291" and rows[0]["success_rate"] == "0.25"
-    assert rows[0]["completion_length"] == "175.5" and rows[0]["tool_calls"] == "2.75"
-    assert rows[0]["kl"] == "" and rows[0]["l_t"] == ""  # beta = 0, efficiency reward off: not invented
-    assert "seconds" not in text and "completion_tokens" not in rows[0]  # no timings in a cached artifact
-
-
-def test_csv_carries_kl_and_the_efficiency_threshold_when_logged():
-    rows = parse(train_log_csv([log_row(1, 0.5, reward=0.45, kl=0.0123, l_t=3), {"iteration": 2, "reward": 0.9}]))
-    assert rows[0]["kl"] == "0.0123" and rows[0]["l_t"] == "3" and rows[0]["reward"] == "0.45"
-    assert rows[1]["reward"] == "0.9" and rows[1]["success_rate"] == ""  # a key missing from an older log
-    assert train_log_csv([]) == ",".join(CSV_COLUMNS) + "\n"
-
-
-def test_csv_files_one_per_adapter_stale_ones_removed(tmp_path):
-    out = tmp_path / "reports" / "train"
-    write_train_csvs({"old_capability": [log_row(1, 0.5)]}, out)
-    paths = write_train_csvs({"b": [log_row(1, 0.5)], "a": [log_row(1, 0.25), log_row(2, 0.5)]}, out)
-    assert [p.name for p in paths] == ["a.csv", "b.csv"]
-    assert sorted(p.name for p in out.iterdir()) == ["a.csv", "b.csv"]  # no temp files, no stale adapter
-    assert (out / "a.csv").read_text() == train_log_csv([log_row(1, 0.25), log_row(2, 0.5)])
-    assert write_train_csvs({}, out) == [] and list(out.iterdir()) == []
 
 
 def dashed(ax) -> list:
@@ -115,7 +75,6 @@ def test_with_reference_samples_the_curves_are_the_sampled_episodes_success():
     assert list(curve.get_ydata()) == [0.05, 0.45]
     (panel,) = [a for a in training_curves(logs).axes if a.get_title() == "success rate, sampled episodes"]
     assert list(panel.get_lines()[0].get_ydata()) == [0.05, 0.45]
-    assert "success_rate_on_policy" in train_log_csv(logs["cap"]).splitlines()[0]
 
 
 @pytest.mark.parametrize("logs", [{}, {"cap": []}])
@@ -126,14 +85,9 @@ def test_figures_without_iterations_still_draw(logs):
     assert "no rubric" in rubric_curves(logs).axes[0].texts[0].get_text()
 
 
-def test_rubric_items_get_csv_columns_and_a_line_each():
+def test_rubric_items_get_a_line_each():
     rows = [log_row(1, 0.0, env_score=0.25, rubric={"orders_read": 0.5, "facts_said": 0.0, "no_write": 1.0}),
             log_row(2, 0.5, env_score=0.75, rubric={"orders_read": 1.0, "facts_said": 0.5, "no_write": 1.0})]
-    text = train_log_csv(rows)
-    assert text.splitlines()[0] == ",".join(CSV_COLUMNS) + ",rubric/orders_read,rubric/facts_said,rubric/no_write"
-    parsed = parse(text)
-    assert [r["rubric/facts_said"] for r in parsed] == ["0.0", "0.5"] and parsed[1]["env_score"] == "0.75"
-    assert parse(train_log_csv([log_row(1, 0.5)]))[0]["env_score"] == ""  # a log without rubric: no columns
     fig = rubric_curves({"communicate_result": rows, "no_rubric": [log_row(1, 0.5)]})
     assert len(fig.axes) == 1 and fig.axes[0].get_title() == "communicate_result"
     lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}

@@ -175,7 +175,7 @@ def test_a_served_merge_of_a_top_layer_adapter_keeps_every_layer(mixed, mixed_id
 
 def test_the_unsloth_backend_is_given_the_top_layers(tiny_model_dir, monkeypatch):
     """Unsloth's `get_peft_model` takes `layers_to_transform` and hands it to PEFT's LoraConfig (its layers without
-    LoRA keep the plain forward); the call is checked through `test_train.fake_unsloth`, as Unsloth needs CUDA."""
+    LoRA keep the plain forward); the call is checked through `tiny_training.fake_unsloth`, as Unsloth needs CUDA."""
     import sys
 
     from tiny_training import fake_unsloth

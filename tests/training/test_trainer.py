@@ -323,3 +323,40 @@ def test_a_training_without_reference_samples_records_its_config_as_before(tiny_
     manifest, _ = train_toy_adapter(tiny_model_dir, tmp_path, iterations=1)
     assert "reference_samples" not in manifest.config["train"] and "reference_when" not in manifest.config["train"]
     assert "references" not in read_train_log(tmp_path / "adapter")[0]
+
+
+def test_a_training_logs_its_curves_every_iteration_and_a_resumed_one_continues_them_without_repeating_a_step(
+        tiny_model_dir, tmp_path):
+    """Killed in iteration 4 (iteration 3 logged, the checkpoint at 2): the resumed training rewrites the curves
+    from the checkpoint's rows, then logs 3 and 4 again; the files end as an uninterrupted run's (wall times
+    aside), and hold what the adapter's train log holds."""
+    from trace_lib.training.tracking import LiveCurves, read_episodes, read_rows
+
+    def run(folder, ledger):
+        cfg = TrainConfig(**{**FAST, "iterations": 4, "save_every": 2})
+        live = LiveCurves(folder / "curves", folder / "summary.json", folder / "episodes.tsv", episodes=2)
+        train_adapter_mixture(tiny_model_dir, [TrainSource("cap", lambda: ParityEnv(max_steps=3), kv_tasks)], cfg,
+                              folder / "adapter", seed=0, ledger=ledger, name="cap", curves=live)
+        return live
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, RolloutLedger(straight / "ledger.jsonl"))
+    with pytest.raises(KeyboardInterrupt):
+        run(resumed, CrashingLedger(resumed / "ledger.jsonl", crash_at=4))
+    assert [r["iteration"] for r in read_rows(resumed / "curves")] == [1, 2, 3]  # as far as it got
+    with pytest.warns(UserWarning, match="dropped"):
+        run(resumed, RolloutLedger(resumed / "ledger.jsonl"))
+    metrics = resumed / "curves/plots/metrics"
+    assert [line.split("\t")[0] for line in (metrics / "reward.tsv").read_text().splitlines()] == [
+        "step", "1", "2", "3", "4"]
+    names = {p.relative_to(metrics).as_posix() for p in metrics.rglob("*.tsv")}
+    assert {"reward.tsv", "reward_std.tsv", "frac_reward_zero_std.tsv", "frac_groups_mixed.tsv", "success_sampled.tsv",
+            "loss.tsv", "entropy.tsv", "grad_norm.tsv", "completions/mean_length.tsv", "rollouts.tsv",
+            "time/seconds_per_rollout.tsv"} <= names and "kl.tsv" not in names  # beta = 0: TRL computes no KL
+    for name in sorted(names - {n for n in names if n.startswith("time/")}):
+        assert (metrics / name).read_bytes() == (straight / "curves/plots/metrics" / name).read_bytes(), name
+    log = [json.loads(line) for line in (resumed / "adapter/train_log.jsonl").read_text().splitlines()]
+    assert read_rows(resumed / "curves") == log
+    assert json.loads((resumed / "summary.json").read_text())["reward"] == log[-1]["reward"]
+    table = read_episodes(resumed / "episodes.tsv")
+    assert [r["step"] for r in table] == [1, 1, 2, 2, 3, 3, 4, 4] and table == read_episodes(straight / "episodes.tsv")

@@ -1,18 +1,14 @@
-"""Training curves for the train stage (paper §3.3): figures, tables and DVC plot data from train logs.
+"""Training curves for the train stage (paper §3.3): figures and tables from train-log rows.
 
-Reads the rows of `data/adapters/<name>/train_log.jsonl` (one per GRPO iteration, written by the
-trainer in training/trainer.py). The figure and table functions are pure (the notebook saves the figures
-with `plots.save_figure`); `write_train_csvs` writes `reports/train/<name>.csv`, the same rows under
-TRL's metric names, which dvc.yaml declares as plots (x: iteration, y: reward).
+The rows are one per GRPO iteration, as the trainer logs them (training/trainer.py); the train notebook reads them
+back from the DVCLive files the stage wrote while it trained (`training.tracking.read_curves`). The figure and table
+functions are pure (the notebook saves the figures with `plots.save_figure`).
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -20,24 +16,11 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from trace_lib.io import atomic_write_text
+from trace_lib.training.tracking import sampled_success
 
 CURVES = (("reward", "mean reward"), ("success_sampled", "success rate, sampled episodes"),
           ("frac_reward_zero_std", "groups with identical rewards"), ("tool_calls", "tool calls per episode"))
 """(log key, axis label) of the panels drawn for every adapter."""
-CSV_COLUMNS = ("iteration", "rollouts", "reward", "reward_std", "frac_reward_zero_std", "success_rate", "kl",
-               "completion_length", "tool_calls", "l_t", "loss", "entropy", "grad_norm", "hinted", "success_rate_unhinted",
-               "env_score", "references", "success_rate_on_policy")
-"""Columns of `reports/train/<name>.csv`, named as TRL logs them (reward, reward_std, frac_reward_zero_std,
-kl, loss, entropy, grad_norm) or as the train log does: rollouts (used so far, cumulative), success_rate,
-completion_length (the agent's own tokens per episode), tool_calls (per episode) and l_t (the efficiency
-threshold), hinted (rollouts played with expert guidance, the hint swap), success_rate_unhinted (the
-others' success), env_score (the environment's mean partial score, multi-level rewards), references (the
-reference samples, `train.reference_samples`) and success_rate_on_policy (the sampled episodes' success); then one
-`rubric/<item>` column per rubric item the log holds (its mean over the iteration's finished episodes).
-A value the log does not hold is left empty: kl when beta = 0 (TRL logs none), l_t when the efficiency
-reward is off, fields added after a log was written."""
-RUBRIC_PREFIX = "rubric/"
 
 
 def rubric_items(rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -45,33 +28,9 @@ def rubric_items(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(dict.fromkeys(k for row in rows for k in (row.get("rubric") or {})))
 
 
-def train_log_csv(rows: Sequence[Mapping[str, Any]]) -> str:
-    """One adapter's train-log rows as CSV text with `CSV_COLUMNS` (missing or null values empty)."""
-    items = rubric_items(rows)
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(list(CSV_COLUMNS) + [RUBRIC_PREFIX + k for k in items])
-    for row in rows:
-        rubric = row.get("rubric") or {}
-        writer.writerow(["" if row.get(k) is None else row[k] for k in CSV_COLUMNS]
-                        + ["" if rubric.get(k) is None else rubric[k] for k in items])
-    return buf.getvalue()
-
-
-def write_train_csvs(logs: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: str | Path) -> list[Path]:
-    """`out_dir/<name>.csv` per adapter, written atomically; CSVs of adapters not in `logs` (left by an
-    earlier run with other capabilities) are removed, so the folder holds exactly this run's curves."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [atomic_write_text(out_dir / f"{name}.csv", train_log_csv(logs[name])) for name in sorted(logs)]
-    for stale in sorted(set(out_dir.glob("*.csv")) - set(written)):
-        stale.unlink()
-    return written
-
-
 def logs_frame(logs: Mapping[str, Sequence[dict[str, Any]]]) -> pd.DataFrame:
     """One row per (adapter, iteration) with every logged metric; adapters in name order."""
-    rows = [{"adapter": name, **row, "success_sampled": unguided_success(row)} for name in sorted(logs)
+    rows = [{"adapter": name, **row, "success_sampled": sampled_success(row)} for name in sorted(logs)
             for row in logs[name]]
     return pd.DataFrame(rows)
 
@@ -159,20 +118,12 @@ def rubric_curves(logs: Mapping[str, Sequence[dict[str, Any]]], title: str = "")
     return fig
 
 
-def unguided_success(row: Mapping[str, Any]) -> float | None:
-    """A log row's success rate over the rollouts the policy sampled without expert guidance (the hint swap's
-    guided ones and the reference samples apart; all of them when both are off): what it does on its own."""
-    if row.get("references"):
-        return row.get("success_rate_on_policy")
-    return row.get("success_rate_unhinted") if row.get("hinted") else row.get("success_rate")
-
-
 def base_pass_rate(rows: Sequence[Mapping[str, Any]]) -> float | None:
     """The base model's pass rate on the adapter's environment: the unguided success rate of
     iteration 1, whose rollouts are sampled before the first update (LoRA B starts at zero), at the
     training temperature. None when the log has no first iteration."""
     first = [r for r in rows if r.get("iteration") == 1]
-    return unguided_success(first[0]) if first else None
+    return sampled_success(first[0]) if first else None
 
 
 def curves_against_base(logs: Mapping[str, Sequence[dict[str, Any]]], temperature: float | None = None,
@@ -193,7 +144,7 @@ def curves_against_base(logs: Mapping[str, Sequence[dict[str, Any]]], temperatur
         else:
             guided = bool(frame.get("hinted", pd.Series([0])).fillna(0).any()
                           or frame.get("references", pd.Series([0])).fillna(0).any())
-            ax.plot(frame["iteration"], [unguided_success(r) for r in logs[name]], marker="o",
+            ax.plot(frame["iteration"], [sampled_success(r) for r in logs[name]], marker="o",
                     label="success rate, sampled episodes" if guided else "success rate")
             if not np.allclose(frame["reward"], frame["success_rate"]):  # the efficiency reward is on
                 ax.plot(frame["iteration"], frame["reward"], marker=".", alpha=0.7, label="reward")

@@ -16,7 +16,11 @@ band-check ledger (`data/envs/rollouts.jsonl`, part of TRACE's budget); writes
     data/adapters/manifests.jsonl        every AdapterManifest of this run
     data/train/[_baselines/]<name>/rollouts.jsonl
                                          each adapter's rollout ledger
-    reports/train/<name>.csv             each adapter's curves under TRL's metric names (dvc plots)
+    reports/train/<name>/plots/metrics/  each adapter's curves under TRL's metric names, as DVCLive writes them,
+                                         updated every iteration (dvc plots; `trace_lib.training.tracking`)
+    reports/metrics/train/<name>.json    each adapter's last values (dvc metrics: a column of `dvc exp show`)
+    reports/tables/train_episodes/<name>.tsv
+                                         a few sampled episodes of every iteration per adapter
     reports/metrics/train.json           backend, rollouts / iterations / final reward per adapter,
                                          TRACE's budget, skipped baselines, wall times (`timing`: each
                                          adapter's seconds per iteration and per rollout)
@@ -48,13 +52,13 @@ from trace_lib.engine.model import numerics
 from trace_lib.config import Params
 from trace_lib.io import dumps_json, write_json, write_jsonl
 from trace_lib.paths import Paths
-from trace_lib.plots.train import write_train_csvs
 from trace_lib.sandbox import SandboxProcess
 from trace_lib.synth.synthesize import valid_envs
 from trace_lib.training import distributed
 from trace_lib.training.sources import sandbox_limits
 from trace_lib.training.plan import TrainingPlan
-from trace_lib.training.trainer import read_train_log, resolve_train_backend
+from trace_lib.training.tracking import keep_only, read_curves, sampled_success
+from trace_lib.training.trainer import resolve_train_backend
 
 
 def _resume_key(params: Params) -> str:
@@ -90,11 +94,16 @@ def run_train(params: Params, root: Path = Path("."), *, progress: bool = False)
         return {}
     write_jsonl(paths.adapter_manifests, manifests)
     paths.train.mkdir(parents=True, exist_ok=True)  # a DVC output, empty where nothing trained
-    write_train_csvs({m.capability_id: read_train_log(Path(m.path)) for m in manifests}, paths.train_logs)
+    names = [m.capability_id for m in manifests]
+    for folder, suffix in ((paths.train_logs, ""), (paths.train_summaries, ".json"), (paths.train_episodes, ".tsv")):
+        keep_only(folder, names, suffix)  # an earlier run's adapters that this one did not train
+    curves = read_curves(paths.train_logs)
     metrics = {
         "backend": resolve_train_backend(cfg.backend),
         "adapters": {m.capability_id: {"rollouts": m.rollouts_used, "iterations": m.iterations,
-                                       "final_reward": m.final_reward} for m in manifests},
+                                       "final_reward": m.final_reward,
+                                       "final_success": sampled_success((curves.get(m.capability_id) or [{}])[-1])}
+                     for m in manifests},
         "trace_budget": plan.budget, "baselines_skipped": plan.skipped,
         "note": "no validated environments: no adapters trained" if not envs else "",
         "numerics": numerics(),

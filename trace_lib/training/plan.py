@@ -25,6 +25,7 @@ from trace_lib.paths import Paths
 from trace_lib.records import AdapterManifest
 from trace_lib.training.lockstep import LockstepJob, LockstepSampler, resume_points, run_lockstep
 from trace_lib.training.sources import synthetic_source, target_source
+from trace_lib.training.tracking import LiveCurves
 from trace_lib.training.trainer import (
     checkpoint_iterations,
     planned_rollouts,
@@ -106,7 +107,7 @@ class TrainingPlan:
             seed=self.seed, ledger=RolloutLedger(self.paths.train_ledger(m.capability_id)), name=m.capability_id,
             progress=self.progress, env_sha256=m.sha256, ckpt_dir=self.paths.checkpoint(m.capability_id),
             timing_path=self.timing[m.capability_id], sampler=sampler, resume_at_most=self.resume.get(m.capability_id),
-            **self.common)
+            curves=self.curves(m.capability_id), **self.common)
 
     def train_baseline(self, name: str, sampler: Any = None) -> AdapterManifest:
         late = {"start_late": 1.0} if name == "grpo_target_late" else {}
@@ -115,7 +116,7 @@ class TrainingPlan:
             self.paths.adapter(name, baseline=True), seed=self.seed,
             ledger=RolloutLedger(self.paths.train_ledger(name, baseline=True)), name=name, progress=self.progress,
             ckpt_dir=self.paths.checkpoint(name, baseline=True), timing_path=self.timing[name], sampler=sampler,
-            resume_at_most=self.resume.get(name), **self.common)
+            resume_at_most=self.resume.get(name), curves=self.curves(name), **self.common)
 
     def train_student(self, sampler: Any = None) -> AdapterManifest:
         return train_adapter_mixture(
@@ -125,7 +126,13 @@ class TrainingPlan:
             progress=self.progress, ckpt_dir=self.paths.checkpoint(DISTILLED, baseline=True),
             timing_path=self.timing[DISTILLED],
             teachers={m.capability_id: self.paths.adapter(m.capability_id) for m in self.envs}, sampler=sampler,
-            resume_at_most=self.resume.get(DISTILLED), **self.common)
+            resume_at_most=self.resume.get(DISTILLED), curves=self.curves(DISTILLED), **self.common)
+
+    def curves(self, name: str) -> LiveCurves:
+        """Where training `name` writes its curves, summary and episode table (`training.tracking`)."""
+        return LiveCurves(self.paths.train_logs / name, self.paths.train_summaries / f"{name}.json",
+                          self.paths.train_episodes / f"{name}.tsv", live="dvclive" in self.cfg.report_to,
+                          episodes=self.cfg.episodes_logged)
 
     def check_budget(self) -> None:
         spent = trace_budget(self.root, [m.capability_id for m in self.envs], self.rollout_split)["total"]

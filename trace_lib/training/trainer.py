@@ -10,7 +10,8 @@ Reads the prepared model folder and one or more environments (a `make_env` facto
     out_dir/snapshots/iter-<k>/   the adapter after each earlier checkpoint + snapshot.json {iteration,
                                   rollouts} (`train.snapshots`): the scaling stage's budget points
 
-and appends every episode it rolls out to the caller's RolloutLedger (stage "train", key = name).
+and appends every episode it rolls out to the caller's RolloutLedger (stage "train", key = name); given `curves`,
+each iteration's row also goes to DVCLive's files as it is logged (training/tracking.py).
 Wall times (seconds per iteration, rollout and total) go to `timing_path` (default
 `out_dir.parent/<out_dir name>.timing.json`), outside the adapter folder: a cached artifact holds no
 timings, so the same seed gives the same adapter folder bytes.
@@ -76,6 +77,7 @@ from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import AgentRollout, TrainSource, prompt_key, trajectory_reward
 from trace_lib.training.grpo_trainer import AgentGRPOTrainer, DistillGRPOTrainer, DistillRollout
 from trace_lib.training.rewards import make_reward
+from trace_lib.training.tracking import LiveCurves
 
 STAGE = "train"
 STATE_FILE = "trace_state.json"
@@ -226,8 +228,9 @@ class TraceCallback(TrainerCallback):
     """Builds train_log rows from TRL's metrics + our rollout stats; saves our state with checkpoints."""
 
     def __init__(self, rollout: AgentRollout, run: dict[str, Any], rollouts_used: Callable[[], int],
-                 save_state: Callable[[Path, int], None]) -> None:
+                 save_state: Callable[[Path, int], None], curves: LiveCurves | None = None) -> None:
         self.rollout, self.run, self.rollouts_used, self.save_state = rollout, run, rollouts_used, save_state
+        self.curves = curves
         self._t0 = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -248,6 +251,10 @@ class TraceCallback(TrainerCallback):
         row.update({k: logs.get(src) for k, src in TRL_KEYS.items()})
         row["rollouts"] = self.rollouts_used()
         self.run["log"].append({k: _round(v) for k, v in row.items()})
+        if self.curves is not None:  # on_step_end has added this iteration's timing
+            timing = self.run["timing"][-1] if self.run["timing"] else None
+            self.curves.log(self.run["log"][-1], timing if timing and timing["iteration"] == state.global_step
+                            else None, self.rollout.last)
 
     def on_save(self, args, state, control, **kwargs):
         self.save_state(Path(args.output_dir) / f"checkpoint-{state.global_step}", state.global_step)
@@ -272,11 +279,16 @@ def _round(v: Any) -> Any:
     return round(v, 6) + 0.0 if isinstance(v, float) else v  # + 0.0: no "-0.0" in the log
 
 
+WATCHING = frozenset({"report_to", "episodes_logged"})
+"""Train settings of how a run is watched, not of what it trains."""
+
+
 def train_record(cfg: TrainConfig, exclude: set[str] = frozenset()) -> dict[str, Any]:
-    """The train config as a manifest and a checkpoint's fingerprint record it; the reference-sample fields are left
-    out while they are off, so a training without them records what it recorded before they existed."""
+    """The train config as a manifest and a checkpoint's fingerprint record it, without `WATCHING`; the
+    reference-sample fields are left out while they are off, so a training without them records what it recorded
+    before they existed."""
     off = {"reference_samples", "reference_when"} if not cfg.reference_samples else set()
-    return cfg.model_dump(mode="json", exclude=set(exclude) | off)
+    return cfg.model_dump(mode="json", exclude=set(exclude) | off | WATCHING)
 
 
 def _fingerprint(cfg: TrainConfig, sources: Sequence[TrainSource], seed: int, env_sha256: str,
@@ -319,7 +331,7 @@ def _resume_state(ckpt_root: Path, fingerprint: str, delete: bool = True, at_mos
                       stacklevel=3)
     if delete and ckpt_root.is_dir():
         shutil.rmtree(ckpt_root)
-    return None, {"iteration": 0, "ledger": [], "log": [], "timing": [], "reward": None}
+    return None, {"iteration": 0, "ledger": [], "log": [], "timing": [], "episodes": [], "reward": None}
 
 
 def _remove_leftovers(out_dir: Path) -> None:
@@ -344,7 +356,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
                           env_sha256: str = "", ckpt_dir: Path | None = None, resume_key: str = "",
                           keep_checkpoints: bool = False, timing_path: Path | None = None,
                           teachers: Mapping[str, Path] | None = None, tool_format: str | None = None,
-                          sampler: Any = None, resume_at_most: int | None = None) -> AdapterManifest:
+                          sampler: Any = None, resume_at_most: int | None = None,
+                          curves: LiveCurves | None = None) -> AdapterManifest:
     """Train one LoRA adapter with GRPO on one or more environments (see the module docstring for the
     outputs); with several, each group's source is drawn with the sources' weights.
 
@@ -356,7 +369,9 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
     trained on rewards. `tool_format` (`model.tool_format`): how the prompts list the tools; None: as the
     prepared folder records it. `sampler` (a `training.lockstep.LockstepSampler`): each iteration's episodes
     are played in one batch with other trainings' (the train stage's `train.lockstep`); `resume_at_most`: resume
-    from a checkpoint of that iteration or earlier (trainings in lockstep resume from one round)."""
+    from a checkpoint of that iteration or earlier (trainings in lockstep resume from one round). `curves`
+    (`tracking.LiveCurves`): where each iteration's row goes while it trains (DVCLive's files), restarted from
+    the resumed checkpoint's rows."""
     if len({s.name for s in sources}) != len(sources) or not sources:
         raise ValueError(f"need one or more sources with distinct names, got {[s.name for s in sources]}")
     if any(":" in s.name for s in sources):
@@ -424,9 +439,14 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         rows = [r for r in ledger.rows() if r["stage"] == STAGE and r["key"] == name]
         write_json(folder / STATE_FILE, {"iteration": iteration, "ledger": rows, "log": run["log"],
                                          "timing": run["timing"], "reward": reward.state_dict(),
+                                         "episodes": curves.episode_rows if curves is not None else [],
                                          "fingerprint": fingerprint})
 
-    callback = TraceCallback(rollout, run, lambda: ledger.used(STAGE, name), save_state)
+    if rank > 0:  # process 0 writes the curves
+        curves = None
+    if curves is not None:
+        curves.start(run["log"], run["timing"], state.get("episodes", []))
+    callback = TraceCallback(rollout, run, lambda: ledger.used(STAGE, name), save_state, curves)
     trainer = _make_trainer(policy, sources, cfg, rollout, callback, ckpt_root, iterations, seed, progress, size,
                             DistillGRPOTrainer if teachers is not None else AgentGRPOTrainer)
     if teachers is not None:
@@ -438,6 +458,8 @@ def train_adapter_mixture(model_dir: Path, sources: Sequence[TrainSource], cfg: 
         # loaded into the student would end up in its checkpoints
         trainer.teachers.model.requires_grad_(False)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt else None)
+    if curves is not None:
+        curves.end()
 
     manifest = AdapterManifest(
         capability_id=name, path=str(out_dir), base_model=base_id, env_sha256=env_sha256, backend=backend,
@@ -533,7 +555,8 @@ def _make_trainer(policy, sources, cfg: TrainConfig, rollout: AgentRollout, call
         beta=cfg.beta, epsilon=cfg.epsilon, temperature=cfg.temperature, loss_type="dapo", scale_rewards="group",
         logging_steps=1, save_strategy="steps", save_steps=cfg.save_every, save_total_limit=2,
         max_grad_norm=1.0,  # TRL's default, stated: with several processes `_clip_grad_norm` averages the gradients
-        report_to="none", disable_tqdm=not progress, bf16=torch.cuda.is_available(),
+        report_to=[b for b in cfg.report_to if b != "dvclive"] or "none",  # DVCLive: our own rows (tracking.py)
+        disable_tqdm=not progress, bf16=torch.cuda.is_available(),
         # Multi-turn episodes are long (SmolLM2 on retail: ~1.8k prompt + ~1k completion tokens); without
         # checkpointing 4 of them took more than 24 GB on CPU (fp32, prompt per row). The shared-prompt
         # pass needs the KV cache, which checkpointing turns off; it scores only the agent's tokens.
