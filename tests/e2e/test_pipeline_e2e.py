@@ -192,6 +192,8 @@ def test_dvc_repro_report_evaluates_scales_and_writes_the_html_index(scratch_rep
         assert name in index
     for nb in ("01_rollout", "05_train", "06_evaluate", "07_scaling"):
         assert (scratch_repo / f"reports/html/{nb}.html").is_file()
+    # the train page shows what the policies did at their last iteration, read from the stage's episode tables
+    assert "last_message" in (scratch_repo / "reports/html/05_train.html").read_text(encoding="utf-8")
     again = run_checked([str(BIN / "dvc"), "repro", "report"], scratch_repo)
     assert "didn't change" in again.stdout or "up to date" in again.stdout
 
