@@ -14,6 +14,8 @@ The metrics are the train log's rows (`trainer.TraceCallback`) under TRL's names
 times under `time/` (the only files that differ between two runs of one seed). `read_curves` gives the rows back
 (train-log keys, the derived and wall-time metrics left out), so figures and tables read what a watcher saw.
 A resumed training rewrites the files from its checkpoint's rows first: no step is logged twice.
+The keys of a train-log row (`LOG_KEYS`, `EXTRA_LOG_KEYS`, `TRL_KEYS`) are defined here, where they are named live
+and read back; the trainer builds its rows from them.
 """
 
 from __future__ import annotations
@@ -29,13 +31,26 @@ from typing import Any
 
 from trace_lib.io import atomic_write_text
 
-TRL_NAMES = {"completion_length": "completions/mean_length", "clip_ratio": "clip_ratio/region_mean"}
+LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "tool_calls", "tool_calls_correct",
+            "l_t", "completion_tokens", "completion_length", "trained_tokens", "hinted", "success_rate_unhinted",
+            "success_rate_hinted", "env_score", "rubric", "preplayed_steps")
+"""Rollout statistics in each train_log row (`trainer.TraceCallback`); TRL's loss, kl, entropy, grad_norm, clip ratio
+follow."""
+EXTRA_LOG_KEYS = ("distill_kl", "references", "reference_skipped", "success_rate_on_policy",
+                  "frac_groups_mixed_by_reference")
+"""Statistics only some trainings have. Distillation: `distill_kl`, the mean log π_student − log π_teacher of
+the trained tokens before the step (the authors log its negative as `gap`): a sample of the reverse KL (the
+student samples at temperature 1), which falls as the student matches its teachers; under grammar-constrained
+sampling the tokens come from the masked distribution, so it can be negative. Reference samples
+(`train.reference_samples`, `grpo.reference_stats`): their count, the references skipped, on-policy success without
+them, and the share of groups only they made mixed."""
+TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
+            "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
+"""Train-log key -> the key of TRL's logs it is taken from."""
+TRL_NAMES = {"completion_length": "completions/mean_length", **{k: v for k, v in TRL_KEYS.items() if k != v}}
 """Train-log key -> the name TRL logs the same quantity under, where they differ (reward, reward_std,
 frac_reward_zero_std, loss, kl, entropy, grad_norm and learning_rate are TRL's names already)."""
-ALWAYS_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "tool_calls", "tool_calls_correct",
-               "l_t", "completion_tokens", "completion_length", "trained_tokens", "hinted", "success_rate_unhinted",
-               "success_rate_hinted", "env_score", "rubric", "preplayed_steps", "loss", "kl", "entropy", "grad_norm",
-               "clip_ratio", "learning_rate", "rollouts")
+ALWAYS_KEYS = (*LOG_KEYS, *TRL_KEYS, "rollouts")
 """Keys every train-log row holds (None where it has no value, which logs nothing)."""
 DERIVED = ("frac_groups_mixed", "success_sampled")
 """Metrics logged for watching that the rows do not hold: groups with mixed rewards (1 - frac_reward_zero_std),

@@ -77,26 +77,12 @@ from trace_lib.budget import RolloutLedger
 from trace_lib.training.grpo import AgentRollout, TrainSource, prompt_key, trajectory_reward
 from trace_lib.training.grpo_trainer import AgentGRPOTrainer, DistillGRPOTrainer, DistillRollout
 from trace_lib.training.rewards import make_reward
-from trace_lib.training.tracking import LiveCurves
+from trace_lib.training.tracking import EXTRA_LOG_KEYS, LOG_KEYS, TRL_KEYS, LiveCurves
 
 STAGE = "train"
 STATE_FILE = "trace_state.json"
 SNAPSHOTS = "snapshots"
 """Sub-folder of an adapter with the adapter of each earlier checkpoint (`train.snapshots`)."""
-LOG_KEYS = ("reward", "reward_std", "success_rate", "frac_reward_zero_std", "tool_calls", "tool_calls_correct",
-            "l_t", "completion_tokens", "completion_length", "trained_tokens", "hinted", "success_rate_unhinted",
-            "success_rate_hinted", "env_score", "rubric", "preplayed_steps")
-"""Rollout statistics in each train_log row; TRL's loss, kl, entropy, grad_norm, clip ratio follow."""
-EXTRA_LOG_KEYS = ("distill_kl", "references", "reference_skipped", "success_rate_on_policy",
-                  "frac_groups_mixed_by_reference")
-"""Statistics only some trainings have. Distillation: `distill_kl`, the mean log π_student − log π_teacher of
-the trained tokens before the step (the authors log its negative as `gap`): a sample of the reverse KL (the
-student samples at temperature 1), which falls as the student matches its teachers; under grammar-constrained
-sampling the tokens come from the masked distribution, so it can be negative. Reference samples
-(`train.reference_samples`, `grpo.reference_stats`): their count, the references skipped, on-policy success without
-them, and the share of groups only they made mixed."""
-TRL_KEYS = {"loss": "loss", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm",
-            "clip_ratio": "clip_ratio/region_mean", "learning_rate": "learning_rate"}
 
 
 # --- backends and model ---------------------------------------------------------------------------
