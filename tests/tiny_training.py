@@ -70,3 +70,15 @@ def train_toy_adapter(tiny_model_dir, tmp_path, ledger=None, env=ParityEnv, name
     manifest = train_adapter_mixture(tiny_model_dir, [TrainSource(name, lambda: env(max_steps=3), kv_tasks)], cfg,
                                      tmp_path / out, seed=0, ledger=ledger, name=name)
     return manifest, ledger
+
+
+def log_row(iteration: int, success: float, reward: float | None = None, **kw) -> dict:
+    """A train-log row with every key the trainer writes (beta = 0: TRL logs no kl; no rubric, hint swap or
+    efficiency reward), `kw` added or replacing."""
+    row = {"iteration": iteration, "reward": success if reward is None else reward, "reward_std": 0.46291,
+           "success_rate": success, "frac_reward_zero_std": 0.5, "tool_calls": 2.75, "tool_calls_correct": 1.0,
+           "l_t": None, "completion_tokens": 1404, "completion_length": 175.5, "trained_tokens": 191, "hinted": 0,
+           "success_rate_unhinted": None, "success_rate_hinted": None, "env_score": success, "rubric": None,
+           "preplayed_steps": 0.0, "loss": -0.068, "kl": None, "entropy": 0.685832, "grad_norm": 0.38,
+           "clip_ratio": 0.0, "learning_rate": 1e-05, "rollouts": 8 * iteration}
+    return {**row, **kw}

@@ -7,6 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest
+from tiny_training import log_row
 
 from trace_lib.plots.train import (
     ADAPTER_COLUMNS,
@@ -18,16 +19,6 @@ from trace_lib.plots.train import (
     training_curves,
 )
 from trace_lib.records import AdapterManifest
-
-
-def log_row(iteration: int, success: float, reward: float | None = None, **kw) -> dict:
-    """A train_log.jsonl row as trace_lib.training.trainer writes it (beta = 0: TRL logs no kl)."""
-    row = {"iteration": iteration, "rollouts": 8 * iteration, "reward": success if reward is None else reward,
-           "reward_std": 0.46291, "success_rate": success, "frac_reward_zero_std": 0.5, "tool_calls": 2.75,
-           "tool_calls_correct": 1.0, "l_t": None, "completion_tokens": 1404, "completion_length": 175.5,
-           "trained_tokens": 191, "loss": -0.068, "kl": None, "entropy": 0.685832, "grad_norm": 0.38,
-           "clip_ratio": 0.0, "learning_rate": 1e-05}
-    return {**row, **kw}
 
 
 def dashed(ax) -> list:

@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from tiny_training import log_row
 
 from trace_lib.config import TrainConfig
 from trace_lib.records import Message, ToolCall
@@ -21,17 +22,6 @@ from trace_lib.training.tracking import (
     read_rows,
     sampled_success,
 )
-
-
-def log_row(iteration: int, success: float, reward: float | None = None, **kw) -> dict:
-    """A train-log row as trace_lib.training.trainer writes it (beta = 0: TRL logs no kl)."""
-    row = {"iteration": iteration, "reward": success if reward is None else reward, "reward_std": 0.46291,
-           "success_rate": success, "frac_reward_zero_std": 0.5, "tool_calls": 2.75, "tool_calls_correct": 1.0,
-           "l_t": None, "completion_tokens": 1404, "completion_length": 175.5, "trained_tokens": 191, "hinted": 0,
-           "success_rate_unhinted": None, "success_rate_hinted": None, "env_score": success, "rubric": None,
-           "preplayed_steps": 0.0, "loss": -0.068, "kl": None, "entropy": 0.685832, "grad_norm": 0.38,
-           "clip_ratio": 0.0, "learning_rate": 1e-05, "rollouts": 8 * iteration}
-    return {**row, **kw}
 
 
 def tsv(path) -> list[dict[str, str]]:
